@@ -1,0 +1,78 @@
+"""Grouping of parameters into gradient buckets, and the bucket itself."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+__all__ = ["assign_buckets", "Bucket"]
+
+
+def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int,
+                   first_cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets, in reverse registration order.
+
+    Gradients are produced roughly in reverse order of registration during the
+    backward pass, so filling buckets from the last parameter lets the first
+    bucket become ready earliest. A bucket holds one key (dtype and device) and
+    closes once it reaches its cap, so it may exceed the cap by one tensor; the
+    first bucket of each key uses the smaller ``first_cap_bytes`` so that
+    communication starts early, as torch DDP does.
+
+    Args:
+        sizes: bytes of each parameter, in registration order.
+        keys: the (dtype, device) of each parameter.
+        cap_bytes: bucket capacity in bytes (> 0).
+        first_cap_bytes: capacity of each key's first bucket (> 0).
+
+    Returns:
+        Buckets as lists of parameter indices, each in reverse registration
+        order, the buckets ordered by their first index (descending).
+    """
+    if len(sizes) != len(keys):
+        raise ValueError(f"sizes and keys must have the same length, got {len(sizes)} and {len(keys)}")
+    if cap_bytes <= 0 or first_cap_bytes <= 0:
+        raise ValueError(f"bucket caps must be > 0, got {cap_bytes} and {first_cap_bytes}")
+    open_buckets: dict[Hashable, tuple[list[int], int]] = {}
+    closed_count: dict[Hashable, int] = {}
+    buckets: list[list[int]] = []
+    for index in reversed(range(len(sizes))):
+        key = keys[index]
+        members, filled = open_buckets.get(key, ([], 0))
+        members.append(index)
+        filled += sizes[index]
+        cap = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
+        if filled >= cap:
+            buckets.append(members)
+            closed_count[key] = closed_count.get(key, 0) + 1
+            open_buckets.pop(key, None)
+        else:
+            open_buckets[key] = (members, filled)
+    buckets.extend(members for members, _ in open_buckets.values())
+    buckets.sort(key=lambda members: -members[0])
+    return buckets
+
+
+class Bucket:
+    """A flat gradient buffer shared by several parameters, and its progress in one step.
+
+    Args:
+        params: the bucket's parameters, all of one dtype and device.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        total = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.pending = len(params)
+        self.handle = None
+
+    def reset(self) -> None:
+        """Forget the last step: every parameter pending again, no request."""
+        self.pending = len(self.views)
+        self.handle = None

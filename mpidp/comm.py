@@ -1,0 +1,522 @@
+"""Collective and point-to-point communication of torch tensors over mpi4py.
+
+Every function takes contiguous tensors that do not require grad, works in
+place where MPI allows it, and comes in a blocking form and a nonblocking
+``i``-form that returns a ``Handle``. ``comm`` may be an ``mpi4py`` communicator
+(used as it is), a ``Pool`` (its next member, round-robin), or None (the
+default pool over ``MPI.COMM_WORLD``). Round-robin over duplicated
+communicators lets several collectives progress at once, as the DDP paper's
+round-robin process groups do; collectives must still be issued in the same
+order on every rank.
+
+Supported dtypes: float16, bfloat16, float32, float64, int32, int64, uint8 and
+bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
+dtype; on bool, sum/max are logical or and prod/min logical and). Where the MPI
+library lacks a datatype or an op for a dtype (bfloat16 reductions in most
+libraries), mpidp reduces with a user-defined MPI op computed by torch. Which
+path is used is decided once per (dtype, op) by a local probe
+(``MPI_Reduce_local`` checked against torch), so it is the same on every rank.
+
+Set ``MPIDP_DEBUG=1`` to have every collective first check, across ranks, that
+all ranks called the same operation with the same dtype and element count; a
+mismatch raises the same ``ValueError`` on every rank instead of hanging or
+corrupting memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from mpi4py import MPI
+
+__all__ = [
+    "OPS", "Handle", "Pool", "default_pool",
+    "allreduce", "iallreduce", "broadcast", "ibroadcast", "allgather", "iallgather",
+    "reduce_scatter", "ireduce_scatter", "barrier", "ibarrier",
+    "send", "recv", "isend", "irecv",
+]
+
+OPS = ("sum", "avg", "min", "max", "prod")
+
+_DEBUG = os.environ.get("MPIDP_DEBUG", "0") == "1"
+
+# torch dtype -> (MPI datatype name in preference order, carrier used when the
+# library lacks the type: same size, never reduced natively).
+_DATATYPES = {
+    torch.float16: (("FLOAT16_T",), "UINT16_T"),
+    torch.bfloat16: (("BFLOAT16_T",), "UINT16_T"),
+    torch.float32: (("FLOAT",), None),
+    torch.float64: (("DOUBLE",), None),
+    torch.int32: (("INT32_T",), None),
+    torch.int64: (("INT64_T",), None),
+    torch.uint8: (("UINT8_T",), None),
+    torch.bool: (("C_BOOL",), None),
+}
+
+_NATIVE_OPS = {"sum": "SUM", "avg": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
+_NATIVE_BOOL_OPS = {"sum": "LOR", "min": "LAND", "max": "LOR", "prod": "LAND"}
+_TORCH_OPS = {"sum": torch.add, "avg": torch.add, "min": torch.minimum,
+              "max": torch.maximum, "prod": torch.mul}
+
+# Handles whose MPI request is in flight; holding them here keeps their tensors
+# alive even if the caller drops the handle without waiting.
+_in_flight: set = set()
+
+
+class Handle:
+    """A pending nonblocking operation that owns its tensors until it completes.
+
+    ``wait()`` blocks and returns the result tensor; ``is_completed()`` tests
+    without blocking (and drives MPI progress).
+    """
+
+    __slots__ = ("_request", "_tensors", "_finish", "_result", "__weakref__")
+
+    def __init__(self, request, tensors, result, finish=None):
+        self._request = request
+        self._tensors = tensors
+        self._result = result
+        self._finish = finish
+        if request is not None:
+            _in_flight.add(self)
+        elif finish is not None:
+            finish()
+
+    def wait(self):
+        """Block until the operation completes; return its result tensor."""
+        if self._request is not None:
+            self._request.Wait()
+            self._complete()
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Return True once the operation has completed, without blocking."""
+        if self._request is None:
+            return True
+        if self._request.Test():
+            self._complete()
+            return True
+        return False
+
+    def _complete(self):
+        self._request = None
+        _in_flight.discard(self)
+        finish, self._finish, self._tensors = self._finish, None, None
+        if finish is not None:
+            finish()
+
+
+class Pool:
+    """Duplicates of one communicator, handed out round-robin.
+
+    Args:
+        comm: the communicator to duplicate (default ``MPI.COMM_WORLD``).
+        size: how many duplicates (>= 1). Creating a pool is collective over ``comm``.
+    """
+
+    def __init__(self, comm: MPI.Intracomm | None = None, size: int = 2):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"pool size must be an int >= 1, got {size!r}")
+        base = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(base, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
+        self.comms = [base.Dup() for _ in range(size)]
+        self._next = 0
+
+    @property
+    def rank(self) -> int:
+        return self.comms[0].Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.comms[0].Get_size()
+
+    def next(self) -> MPI.Intracomm:
+        """Return the next communicator of the pool (round-robin)."""
+        comm = self.comms[self._next]
+        self._next = (self._next + 1) % len(self.comms)
+        return comm
+
+    def free(self) -> None:
+        """Free the duplicated communicators (collective)."""
+        for comm in self.comms:
+            comm.Free()
+        self.comms = []
+
+
+@functools.cache
+def default_pool() -> Pool:
+    """Return the pool over ``MPI.COMM_WORLD`` used when ``comm`` is None.
+
+    Its size comes from ``MPIDP_POOL_SIZE`` (default 2). Created on first use,
+    which is collective.
+    """
+    return Pool(MPI.COMM_WORLD, int(os.environ.get("MPIDP_POOL_SIZE", "2")))
+
+
+def _collective_comm(comm) -> MPI.Intracomm:
+    if comm is None:
+        return default_pool().next()
+    if isinstance(comm, Pool):
+        return comm.next()
+    if isinstance(comm, MPI.Intracomm):
+        return comm
+    raise TypeError(f"comm must be None, an mpidp.comm.Pool or an mpi4py Intracomm, "
+                    f"got {type(comm).__name__}")
+
+
+def _p2p_comm(comm) -> MPI.Intracomm:
+    # Point-to-point messages between two ranks are ordered only within one
+    # communicator, so a pool always uses its first member.
+    if comm is None:
+        return default_pool().comms[0]
+    if isinstance(comm, Pool):
+        return comm.comms[0]
+    return _collective_comm(comm)
+
+
+def _check_tensor(name: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _DATATYPES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in _DATATYPES)
+        raise TypeError(f"{name} has dtype {tensor.dtype}, supported dtypes are {supported}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(tensor.stride())} "
+                         f"for shape {tuple(tensor.shape)}; call .contiguous() first")
+    if tensor.requires_grad:
+        raise ValueError(f"{name} requires grad; communicate {name}.detach() instead")
+
+
+@functools.cache
+def _datatype(dtype: torch.dtype) -> tuple[MPI.Datatype, bool]:
+    """Return (MPI datatype, whether MPI knows it natively) for a torch dtype."""
+    names, carrier = _DATATYPES[dtype]
+    for name in names:
+        datatype = getattr(MPI, name, MPI.DATATYPE_NULL)
+        if datatype != MPI.DATATYPE_NULL:
+            return datatype, True
+    return getattr(MPI, carrier), False
+
+
+def _buffer(tensor: torch.Tensor, count: int | None = None):
+    datatype, _ = _datatype(tensor.dtype)
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes),
+            tensor.numel() if count is None else count, datatype]
+
+
+def _probe(op: MPI.Op, dtype: torch.dtype, name: str) -> bool:
+    """Check locally that ``op`` reduces ``dtype`` as torch would."""
+    if dtype == torch.bool:
+        a = torch.tensor([True, False, True, False])
+        b = torch.tensor([True, True, False, False])
+    else:
+        a = torch.tensor([1, 2, 3, 0, 5, 1], dtype=dtype)
+        b = torch.tensor([2, 2, 1, 1, 0, 3], dtype=dtype)
+    expected = _TORCH_OPS[name](a, b)
+    try:
+        op.Reduce_local(_buffer(a), _buffer(b))
+    except MPI.Exception:
+        return False
+    return torch.equal(b, expected)
+
+
+def _torch_op(dtype: torch.dtype, name: str) -> MPI.Op:
+    combine = _TORCH_OPS[name]
+
+    def reduce(inbuf, inoutbuf, datatype):
+        out = torch.frombuffer(inoutbuf, dtype=dtype)
+        combine(torch.frombuffer(inbuf, dtype=dtype), out, out=out)
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
+@functools.cache
+def _reduction(dtype: torch.dtype, name: str) -> MPI.Op:
+    """Return the MPI op that reduces ``dtype`` with ``name``: native if it probes right."""
+    _, native = _datatype(dtype)
+    if native:
+        table = _NATIVE_BOOL_OPS if dtype == torch.bool else _NATIVE_OPS
+        op = getattr(MPI, table[name])
+        if _probe(op, dtype, name):
+            return op
+    return _torch_op(dtype, name)
+
+
+def reduction_path(dtype: torch.dtype, op: str = "sum") -> str:
+    """Return "native" or "torch": how mpidp reduces ``dtype`` with ``op`` on this MPI library."""
+    _check_op(op, dtype)
+    return "native" if _reduction(dtype, op) in (MPI.SUM, MPI.MIN, MPI.MAX, MPI.PROD,
+                                                 MPI.LOR, MPI.LAND) else "torch"
+
+
+def _check_op(op: str, dtype: torch.dtype) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if op == "avg" and not dtype.is_floating_point:
+        raise TypeError(f"op 'avg' needs a floating-point dtype, got {dtype}")
+
+
+def _check_same(comm: MPI.Intracomm, what: str, **fields) -> None:
+    """Debug mode: every rank called ``what`` with the same fields, else all raise."""
+    signatures = comm.allgather(fields)
+    for other, theirs in enumerate(signatures):
+        if theirs != signatures[0]:
+            raise ValueError(f"{what}: rank {other} passed {theirs} but rank 0 passed "
+                             f"{signatures[0]}; every rank must pass the same")
+
+
+def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocking: bool):
+    """Run MPI collective ``name`` (blocking) or its ``I``-form, returning tensor or Handle."""
+    if nonblocking:
+        return Handle(getattr(comm, "I" + name.lower())(*args), keep, result, finish)
+    getattr(comm, name)(*args)
+    if finish is not None:
+        finish()
+    return result
+
+
+def _avg(tensor: torch.Tensor, op: str, size: int):
+    return (lambda: tensor.div_(size)) if op == "avg" and size > 1 else None
+
+
+def _allreduce(tensor, op, comm, nonblocking):
+    _check_tensor("tensor", tensor)
+    _check_op(op, tensor.dtype)
+    comm = _collective_comm(comm)
+    if _DEBUG:
+        _check_same(comm, "allreduce", op=op, dtype=str(tensor.dtype), numel=tensor.numel())
+    args = (MPI.IN_PLACE, _buffer(tensor), _reduction(tensor.dtype, op))
+    return _start(comm, "Allreduce", args, (tensor,), tensor,
+                  _avg(tensor, op, comm.Get_size()), nonblocking)
+
+
+def allreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place.
+
+    Args:
+        tensor: contiguous CPU tensor, overwritten with the result on every rank.
+        op: "sum", "avg", "min", "max" or "prod".
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``tensor``.
+    """
+    return _allreduce(tensor, op, comm, False)
+
+
+def iallreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> Handle:
+    """Start ``allreduce`` without blocking; returns a ``Handle`` whose ``wait()`` gives ``tensor``."""
+    return _allreduce(tensor, op, comm, True)
+
+
+def _broadcast(tensor, root, comm, nonblocking):
+    _check_tensor("tensor", tensor)
+    comm = _collective_comm(comm)
+    _check_root(root, comm)
+    if _DEBUG:
+        _check_same(comm, "broadcast", root=root, dtype=str(tensor.dtype), numel=tensor.numel())
+    return _start(comm, "Bcast", (_buffer(tensor), root), (tensor,), tensor, None, nonblocking)
+
+
+def _check_root(root, comm: MPI.Intracomm) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
+        raise ValueError(f"invalid root {root!r}, root should be in the interval "
+                         f"[0, {comm.Get_size() - 1}]")
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, *, comm=None) -> torch.Tensor:
+    """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank; returns it."""
+    return _broadcast(tensor, root, comm, False)
+
+
+def ibroadcast(tensor: torch.Tensor, root: int = 0, *, comm=None) -> Handle:
+    """Start ``broadcast`` without blocking."""
+    return _broadcast(tensor, root, comm, True)
+
+
+def _check_scaled(big_name, big, small_name, small, size: int) -> None:
+    if big.dtype != small.dtype:
+        raise TypeError(f"{big_name} and {small_name} must have the same dtype, "
+                        f"got {big.dtype} and {small.dtype}")
+    if big.numel() != size * small.numel():
+        raise ValueError(f"{big_name} must have world size ({size}) x {small_name}.numel() "
+                         f"= {size * small.numel()} elements, got {big.numel()}")
+
+
+def _allgather(output, tensor, comm, nonblocking):
+    _check_tensor("output", output)
+    _check_tensor("tensor", tensor)
+    comm = _collective_comm(comm)
+    _check_scaled("output", output, "tensor", tensor, comm.Get_size())
+    if _DEBUG:
+        _check_same(comm, "allgather", dtype=str(tensor.dtype), numel=tensor.numel())
+    # mpi4py counts the receive buffer per rank, like the send buffer.
+    args = (_buffer(tensor), _buffer(output, tensor.numel()))
+    return _start(comm, "Allgather", args, (output, tensor),
+                  output, None, nonblocking)
+
+
+def allgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> torch.Tensor:
+    """Gather ``tensor`` from every rank into ``output``, rank by rank along the flat order.
+
+    Args:
+        output: contiguous tensor of ``world size * tensor.numel()`` elements.
+        tensor: this rank's contribution.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``output``.
+    """
+    return _allgather(output, tensor, comm, False)
+
+
+def iallgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> Handle:
+    """Start ``allgather`` without blocking."""
+    return _allgather(output, tensor, comm, True)
+
+
+def _reduce_scatter(output, tensor, op, comm, nonblocking):
+    _check_tensor("output", output)
+    _check_tensor("tensor", tensor)
+    _check_op(op, tensor.dtype)
+    comm = _collective_comm(comm)
+    _check_scaled("tensor", tensor, "output", output, comm.Get_size())
+    if _DEBUG:
+        _check_same(comm, "reduce_scatter", op=op, dtype=str(tensor.dtype), numel=tensor.numel())
+    # mpi4py counts the send buffer per block, like the receive buffer.
+    args = (_buffer(tensor, output.numel()), _buffer(output), _reduction(tensor.dtype, op))
+    return _start(comm, "Reduce_scatter_block", args, (output, tensor), output,
+                  _avg(output, op, comm.Get_size()), nonblocking)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", *,
+                   comm=None) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks and leave block ``rank`` of the result in ``output``.
+
+    Args:
+        output: contiguous tensor of ``tensor.numel() / world size`` elements.
+        tensor: this rank's input, ``world size`` equal blocks in flat order.
+        op: "sum", "avg", "min", "max" or "prod".
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``output``.
+    """
+    return _reduce_scatter(output, tensor, op, comm, False)
+
+
+def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", *,
+                    comm=None) -> Handle:
+    """Start ``reduce_scatter`` without blocking."""
+    return _reduce_scatter(output, tensor, op, comm, True)
+
+
+def barrier(*, comm=None) -> None:
+    """Block until every rank of ``comm`` has entered the barrier."""
+    _collective_comm(comm).Barrier()
+
+
+def ibarrier(*, comm=None) -> Handle:
+    """Start a barrier without blocking."""
+    return Handle(_collective_comm(comm).Ibarrier(), (), None)
+
+
+def _check_peer(name: str, peer, comm: MPI.Intracomm) -> None:
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < comm.Get_size():
+        raise ValueError(f"invalid {name} {peer!r}, {name} should be in the interval "
+                         f"[0, {comm.Get_size() - 1}]")
+
+
+def _check_tag(tag) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"tag must be an int >= 0, got {tag!r}")
+
+
+def send(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> None:
+    """Send ``tensor`` to rank ``dest``, blocking until the buffer may be reused."""
+    isend(tensor, dest, tag, comm=comm).wait()
+
+
+def isend(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> Handle:
+    """Start sending ``tensor`` to rank ``dest``; the handle keeps ``tensor`` alive."""
+    _check_tensor("tensor", tensor)
+    comm = _p2p_comm(comm)
+    _check_peer("dest", dest, comm)
+    _check_tag(tag)
+    return Handle(comm.Isend(_buffer(tensor), dest, tag), (tensor,), tensor)
+
+
+class _Receive:
+    """A receive request that fills a status, so the message size can be checked."""
+
+    __slots__ = ("request", "status", "tensor")
+
+    def __init__(self, request, tensor):
+        self.request = request
+        self.status = MPI.Status()
+        self.tensor = tensor
+
+    def Wait(self):
+        self._run(self.request.Wait)
+
+    def Test(self):
+        return self._run(self.request.Test)
+
+    def _run(self, call):
+        try:
+            return call(self.status)
+        except MPI.Exception as err:
+            raise ValueError(self._mismatch("more")) from err
+
+    def check_count(self):
+        count = self.status.Get_count(_buffer(self.tensor)[2])
+        if count != self.tensor.numel():
+            raise ValueError(self._mismatch(count))
+
+    def _mismatch(self, count):
+        return (f"recv: tensor has {self.tensor.numel()} elements of {self.tensor.dtype}, "
+                f"rank {self.status.Get_source()} sent {count}; sizes must match")
+
+
+def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
+    _check_tensor("tensor", tensor)
+    comm = _p2p_comm(comm)
+    if source is None:
+        source = MPI.ANY_SOURCE
+    else:
+        _check_peer("source", source, comm)
+    if tag is None:
+        tag = MPI.ANY_TAG
+    else:
+        _check_tag(tag)
+    receive = _Receive(comm.Irecv(_buffer(tensor), source, tag), tensor)
+    return Handle(receive, (tensor,), tensor, receive.check_count), receive
+
+
+def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None, *,
+         comm=None) -> int:
+    """Receive into ``tensor`` from ``source`` (None: any rank).
+
+    Args:
+        tensor: contiguous CPU tensor; the message must have exactly its size.
+        source: rank to receive from, or None for any.
+        tag: message tag, or None for any.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        The rank the message came from.
+    """
+    handle, receive = _irecv(tensor, source, tag, comm)
+    handle.wait()
+    return receive.status.Get_source()
+
+
+def irecv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None, *,
+          comm=None) -> Handle:
+    """Start receiving into ``tensor``; ``wait()`` returns ``tensor`` and checks the size."""
+    return _irecv(tensor, source, tag, comm)[0]

