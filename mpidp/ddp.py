@@ -66,6 +66,10 @@ def _describe(entry: tuple) -> str:
     return text + (f", requires_grad={entry[4]}" if entry[0] == "parameter" else "")
 
 
+def _tensor_count(signature: list[tuple]) -> int:
+    return sum(entry[0] != "setting" for entry in signature)
+
+
 def first_mismatch(signatures: list[list[tuple]]) -> str | None:
     """Describe the first difference between rank 0's signature and another rank's, if any."""
     reference = signatures[0]
@@ -76,8 +80,8 @@ def first_mismatch(signatures: list[list[tuple]]) -> str | None:
             if mine != other:
                 return f"rank {rank} has {_describe(other)} where rank 0 has {_describe(mine)}"
         longer, owner = (theirs, rank) if len(theirs) > len(reference) else (reference, 0)
-        return (f"rank {rank} has {len(theirs)} parameters, buffers and settings but rank 0 has "
-                f"{len(reference)}; the first extra one, on rank {owner}, is "
+        return (f"rank {rank} has {_tensor_count(theirs)} parameters and buffers but rank 0 has "
+                f"{_tensor_count(reference)}; the first extra one, on rank {owner}, is "
                 f"{_describe(longer[min(len(theirs), len(reference))])}")
     return None
 

@@ -222,7 +222,7 @@ class Reducer:
                         unpack(view.reshape(-1), [target])
 
     def _missing_error(self, counts: list[int]) -> RuntimeError | None:
-        missing = [f"{self.names[i]} (on {self.world - c} of {self.world} ranks)"
+        missing = [f"{self.names[i]} (missing on {self.world - c} of {self.world} ranks)"
                    for i, c in enumerate(counts) if c < self.world]
         if not missing:
             return None
@@ -230,6 +230,6 @@ class Reducer:
             f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in the "
             f"last backward pass: {', '.join(missing)}. Pass find_unused_parameters=True to "
             f"DistributedDataParallel if parts of the model may not take part in the loss, or "
-            f"set requires_grad=False on parameters that never do. Their gradients were "
-            f"reduced as zeros.")
+            f"set requires_grad=False on parameters that never do. This step reduced them "
+            f"as zeros (or their earlier .grad) so that no rank hangs.")
 

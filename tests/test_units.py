@@ -1,0 +1,173 @@
+"""Tests that need no MPI launch: bucket layout, argument checks, sampler, pack/unpack."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mpidp
+from mpidp.buckets import assign_buckets
+from mpidp.ddp import first_mismatch
+from mpidp.kernels import pack, unpack
+
+ROOT = Path(__file__).resolve().parent.parent
+F32, F64 = (torch.float32, "cpu"), (torch.float64, "cpu")
+
+
+def test_buckets_fill_in_reverse_order_with_a_small_first_bucket():
+    sizes = [400, 400, 400, 400, 400, 400]
+    assert assign_buckets(sizes, [F32] * 6, cap_bytes=1000, first_cap_bytes=300) == [
+        [5], [4, 3, 2], [1, 0]]
+
+
+def test_a_bucket_closes_once_it_reaches_its_cap():
+    assert assign_buckets([10, 990, 10, 1], [F32] * 4, cap_bytes=1000, first_cap_bytes=1000) == [
+        [3, 2, 1], [0]]
+
+
+def test_buckets_hold_one_dtype_each_and_keep_gradient_order():
+    keys = [F32, F64, F32, F64]
+    layout = assign_buckets([8, 8, 8, 8], keys, cap_bytes=1 << 20, first_cap_bytes=1 << 20)
+    assert layout == [[3, 1], [2, 0]]
+    for members in layout:
+        assert len({keys[i] for i in members}) == 1
+
+
+def test_every_parameter_lands_in_exactly_one_bucket():
+    sizes = [(i * 7919) % 5000 + 1 for i in range(200)]
+    layout = assign_buckets(sizes, [F32] * 200, cap_bytes=20000, first_cap_bytes=4000)
+    assert sorted(i for members in layout for i in members) == list(range(200))
+    for members in layout[:-1]:  # every closed bucket reached its cap with its last tensor
+        assert sum(sizes[i] for i in members[:-1]) < 20000
+
+
+def test_bucket_assignment_rejects_bad_caps():
+    with pytest.raises(ValueError, match="bucket caps must be > 0, got 0 and 10"):
+        assign_buckets([1], [F32], cap_bytes=0, first_cap_bytes=10)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be a number > 0, got 0"),
+    (dict(bucket_cap_mb=-1.5), ValueError, "bucket_cap_mb must be a number > 0, got -1.5"),
+    (dict(bucket_cap_mb="25"), ValueError, "bucket_cap_mb must be a number > 0, got '25'"),
+    (dict(bucket_cap_mb=True), ValueError, "bucket_cap_mb must be a number > 0, got True"),
+    (dict(first_bucket_mb=0), ValueError, "first_bucket_mb must be a number > 0, got 0"),
+    (dict(find_unused_parameters="yes"), TypeError, "find_unused_parameters must be a bool, got 'yes'"),
+    (dict(broadcast_buffers=1), TypeError, "broadcast_buffers must be a bool, got 1"),
+    (dict(gradient_as_bucket_view=None), TypeError, "gradient_as_bucket_view must be a bool, got None"),
+    (dict(pool_size=0), ValueError, "pool_size must be an int >= 1, got 0"),
+    (dict(comm="world"), TypeError, "comm must be None or an mpi4py Intracomm, got str"),
+])
+def test_ddp_argument_errors_name_argument_rule_and_value(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        mpidp.DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+
+
+def test_ddp_rejects_a_non_module_and_a_model_without_trainable_parameters():
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module, got function"):
+        mpidp.DistributedDataParallel(lambda x: x)
+    with pytest.raises(ValueError, match="module has no parameter that requires grad"):
+        mpidp.DistributedDataParallel(nn.Linear(2, 2).requires_grad_(False))
+
+
+def test_first_mismatch_describes_the_first_difference():
+    same = [("parameter", "w", (2,), "float32", True)]
+    assert first_mismatch([same, same]) is None
+    other = [("parameter", "w", (3,), "float32", True)]
+    assert first_mismatch([same, same, other]) == (
+        "rank 2 has parameter 'w' with shape (3,), dtype float32, requires_grad=True where "
+        "rank 0 has parameter 'w' with shape (2,), dtype float32, requires_grad=True")
+
+
+@pytest.mark.parametrize("size,drop_last,shuffle", [(10, False, False), (10, True, False),
+                                                    (11, False, True), (11, True, True)])
+def test_sampler_shards_cover_the_dataset_like_torch(size, drop_last, shuffle):
+    dataset = list(range(size))
+    samplers = [mpidp.DistributedSampler(dataset, num_replicas=3, rank=r, shuffle=shuffle,
+                                         drop_last=drop_last, seed=5) for r in range(3)]
+    for sampler in samplers:
+        sampler.set_epoch(2)
+    shards = [list(s) for s in samplers]
+    per_rank = size // 3 if drop_last else -(-size // 3)
+    assert [len(s) for s in shards] == [per_rank] * 3 == [len(s) for s in samplers]
+    flat = [i for shard in shards for i in shard]
+    if drop_last:
+        assert len(set(flat)) == len(flat) == 3 * (size // 3)
+    else:
+        assert set(flat) == set(dataset)  # padded with repeats to an equal share
+    if not shuffle:
+        assert shards[1][:3] == [1, 4, 7]
+
+
+def test_sampler_defaults_come_from_mpi_and_bad_rank_is_rejected():
+    sampler = mpidp.DistributedSampler(list(range(8)))
+    assert (sampler.num_replicas, sampler.rank) == (mpidp.size(), mpidp.rank())
+    with pytest.raises(ValueError, match=r"Invalid rank 3, rank should be in the interval \[0, 2\]"):
+        mpidp.DistributedSampler(list(range(8)), num_replicas=3, rank=3)
+
+
+def test_sampler_epochs_reshuffle_the_same_way_on_every_rank():
+    dataset = list(range(20))
+    orders = []
+    for epoch in (0, 1, 0):
+        sampler = mpidp.DistributedSampler(dataset, num_replicas=2, rank=0, seed=3)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert orders[0] == orders[2] != orders[1]
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32),
+                                             (torch.float32, torch.float16),
+                                             (torch.float64, torch.float64),
+                                             (torch.int64, torch.int64)])
+def test_pack_unpack_roundtrip_with_odd_and_empty_tensors(dtype, out_dtype):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (0,), (1,), (7, 1, 2), (), (129,)]
+    tensors = [(torch.randn(s, generator=gen) * 10).to(dtype) for s in shapes]
+    total = sum(t.numel() for t in tensors)
+    flat = torch.full((total,), 99, dtype=out_dtype)
+    pack(tensors, flat, scale=0.5 if dtype.is_floating_point else None)
+    expected = torch.cat([t.reshape(-1) for t in tensors]).to(out_dtype)
+    if dtype.is_floating_point:
+        expected = (torch.cat([t.reshape(-1) for t in tensors]) * 0.5).to(out_dtype)
+    torch.testing.assert_close(flat, expected, rtol=0, atol=0)
+    back = [torch.full_like(t, -1) for t in tensors]
+    unpack(flat, back, scale=2.0 if dtype.is_floating_point else None)
+    for original, restored in zip(tensors, back):
+        tol = 1e-2 if out_dtype == torch.float16 else 0
+        torch.testing.assert_close(restored, original, rtol=tol, atol=tol)
+
+
+def test_pack_checks_sizes_and_layout_before_copying():
+    with pytest.raises(ValueError, match="out must have 5 elements \\(the tensors' total\\), got 4"):
+        pack([torch.ones(2), torch.ones(3)], torch.empty(4))
+    with pytest.raises(ValueError, match="flat must be a contiguous 1-d tensor, got shape \\(2, 2\\)"):
+        unpack(torch.empty(2, 2), [torch.ones(4)])
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a torch.Tensor, got int"):
+        pack([torch.ones(1), 3], torch.empty(2))
+
+
+def test_abort_hook_can_be_turned_off_and_on():
+    previous = sys.excepthook
+    try:
+        mpidp.abort_on_exception(True)
+        assert sys.excepthook is mpidp.runtime._abort_excepthook
+        mpidp.abort_on_exception(False)
+        assert sys.excepthook is mpidp.runtime._python_excepthook
+    finally:
+        sys.excepthook = previous
+
+
+def test_world_of_one_without_mpiexec():
+    assert (mpidp.rank(), mpidp.size(), mpidp.local_rank(), mpidp.local_size()) == (0, 1, 0, 1)
+    mpidp.barrier()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"<!-- test-command -->\n```bash\n(.+?)\n```", readme, re.S).group(1)
+    assert command.strip() in ci
