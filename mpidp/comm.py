@@ -79,33 +79,35 @@ class Handle:
         self._tensors = tensors
         self._result = result
         self._finish = finish
-        if request is not None:
-            _in_flight.add(self)
-        elif finish is not None:
-            finish()
+        _in_flight.add(self)
 
     def wait(self):
         """Block until the operation completes; return its result tensor."""
         if self._request is not None:
-            self._request.Wait()
-            self._complete()
+            self._settle(self._request.Wait)
         return self._result
 
     def is_completed(self) -> bool:
         """Return True once the operation has completed, without blocking."""
-        if self._request is None:
-            return True
-        if self._request.Test():
-            self._complete()
-            return True
-        return False
+        return self._request is None or self._settle(self._request.Test)
 
-    def _complete(self):
-        self._request = None
-        _in_flight.discard(self)
-        finish, self._finish, self._tensors = self._finish, None, None
+    def _settle(self, call) -> bool:
+        try:
+            done = call()
+        except BaseException:
+            self._release()
+            raise
+        if done is False:
+            return False
+        finish = self._finish
+        self._release()
         if finish is not None:
             finish()
+        return True
+
+    def _release(self):
+        self._request = self._finish = self._tensors = None
+        _in_flight.discard(self)
 
 
 class Pool:
@@ -462,7 +464,7 @@ class _Receive:
         self.tensor = tensor
 
     def Wait(self):
-        self._run(self.request.Wait)
+        return self._run(self.request.Wait)
 
     def Test(self):
         return self._run(self.request.Test)
