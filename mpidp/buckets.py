@@ -10,34 +10,39 @@ __all__ = ["assign_buckets", "Bucket"]
 
 
 def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int,
-                   first_cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets, in reverse registration order.
+                   first_cap_bytes: int, order: Sequence[int] | None = None) -> list[list[int]]:
+    """Group parameter indices into buckets, in the order their gradients are expected.
 
-    Gradients are produced roughly in reverse order of registration during the
-    backward pass, so filling buckets from the last parameter lets the first
-    bucket become ready earliest. A bucket holds one key (dtype and device) and
-    closes once it reaches its cap, so it may exceed the cap by one tensor; the
-    first bucket of each key uses the smaller ``first_cap_bytes`` so that
-    communication starts early, as torch DDP does.
+    Without ``order``, gradients are assumed to arrive in reverse registration
+    order, which the backward pass roughly follows, so the first bucket becomes
+    ready earliest. A bucket holds one key (dtype and device) and closes once it
+    reaches its cap, so it may exceed the cap by one tensor; the first bucket of
+    each key uses the smaller ``first_cap_bytes`` so that communication starts
+    early, as torch DDP does.
 
     Args:
         sizes: bytes of each parameter, in registration order.
         keys: the (dtype, device) of each parameter.
         cap_bytes: bucket capacity in bytes (> 0).
         first_cap_bytes: capacity of each key's first bucket (> 0).
+        order: every index once, in expected gradient arrival order
+            (default: reverse registration order).
 
     Returns:
-        Buckets as lists of parameter indices, each in reverse registration
-        order, the buckets ordered by their first index (descending).
+        Buckets as lists of parameter indices in arrival order, the buckets
+        ordered by the arrival of their first member.
     """
     if len(sizes) != len(keys):
         raise ValueError(f"sizes and keys must have the same length, got {len(sizes)} and {len(keys)}")
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be > 0, got {cap_bytes} and {first_cap_bytes}")
+    order = list(reversed(range(len(sizes)))) if order is None else list(order)
+    if sorted(order) != list(range(len(sizes))):
+        raise ValueError(f"order must hold every index from 0 to {len(sizes) - 1} once, got {order}")
     open_buckets: dict[Hashable, tuple[list[int], int]] = {}
     closed_count: dict[Hashable, int] = {}
     buckets: list[list[int]] = []
-    for index in reversed(range(len(sizes))):
+    for index in order:
         key = keys[index]
         members, filled = open_buckets.get(key, ([], 0))
         members.append(index)
@@ -50,7 +55,8 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
         else:
             open_buckets[key] = (members, filled)
     buckets.extend(members for members, _ in open_buckets.values())
-    buckets.sort(key=lambda members: -members[0])
+    position = {index: k for k, index in enumerate(order)}
+    buckets.sort(key=lambda members: position[members[0]])
     return buckets
 
 

@@ -112,12 +112,16 @@ class DistributedDataParallel(nn.Module):
             round-robin (>= 1).
         first_bucket_mb: capacity of the first bucket in MiB (default 1, capped
             at ``bucket_cap_mb``).
+        predict_gradient_order: after the first synced backward, rebuild the
+            buckets in the order gradients actually arrived on rank 0 (as
+            torch DDP does); results are identical either way.
     """
 
     def __init__(self, module: nn.Module, *, comm: MPI.Intracomm | None = None,
                  bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
-                 pool_size: int = 2, first_bucket_mb: float | None = None):
+                 pool_size: int = 2, first_bucket_mb: float | None = None,
+                 predict_gradient_order: bool = True):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -129,7 +133,8 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         for name, value in (("find_unused_parameters", find_unused_parameters),
                             ("broadcast_buffers", broadcast_buffers),
-                            ("gradient_as_bucket_view", gradient_as_bucket_view)):
+                            ("gradient_as_bucket_view", gradient_as_bucket_view),
+                            ("predict_gradient_order", predict_gradient_order)):
             _check_flag(name, value)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError(f"pool_size must be an int >= 1, got {pool_size!r}")
@@ -148,7 +153,8 @@ class DistributedDataParallel(nn.Module):
         settings = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                         find_unused_parameters=find_unused_parameters,
                         broadcast_buffers=broadcast_buffers,
-                        gradient_as_bucket_view=gradient_as_bucket_view, pool_size=pool_size)
+                        gradient_as_bucket_view=gradient_as_bucket_view, pool_size=pool_size,
+                        predict_gradient_order=predict_gradient_order)
         # Gather first, then every rank decides the same: no rank may raise alone
         # and leave the others in the Dup() below.
         mismatch = first_mismatch(base.allgather(_signature(module, settings)))
@@ -168,7 +174,8 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer(named, self.pool, bucket_cap_bytes=int(bucket_cap_mb * _MB),
                                first_bucket_bytes=int(first_bucket_mb * _MB),
                                find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view)
+                               gradient_as_bucket_view=gradient_as_bucket_view,
+                               predict_order=predict_gradient_order)
 
     def forward(self, *args, **kwargs):
         self.reducer.raise_pending_error()

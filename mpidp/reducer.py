@@ -69,21 +69,15 @@ class Reducer:
 
     def __init__(self, named_params, pool: _comm.Pool, *, bucket_cap_bytes: int,
                  first_bucket_bytes: int, find_unused_parameters: bool,
-                 gradient_as_bucket_view: bool):
+                 gradient_as_bucket_view: bool, predict_order: bool = True):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.pool = pool
         self.world = pool.size
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
-        self.layout = assign_buckets([p.numel() * p.element_size() for p in self.params],
-                                     [(p.dtype, p.device) for p in self.params],
-                                     bucket_cap_bytes, first_bucket_bytes)
-        self.buckets = [Bucket([self.params[i] for i in members]) for members in self.layout]
-        self._slot: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)
-        for bucket, members in zip(self.buckets, self.layout):
-            for index, view in zip(members, bucket.views):
-                self._slot[index] = (bucket, view)
+        self._caps = (bucket_cap_bytes, first_bucket_bytes)
+        self._build(self._assign())
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
         self._used_flags = self._used.numpy()
         self._ready = bytearray(len(self.params))
@@ -93,8 +87,41 @@ class Reducer:
         self._next_launch = 0
         self._oldest = 0
         self._error: RuntimeError | None = None
+        # Gradient order prediction (the DDP paper's future work, torch's bucket
+        # rebuild): record the order gradients arrive in during the first synced
+        # backward, then lay the buckets out in rank 0's order, once.
+        self._arrival: list[int] | None = [] if predict_order else None
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
+
+    def _assign(self, order: list[int] | None = None) -> list[list[int]]:
+        return assign_buckets([p.numel() * p.element_size() for p in self.params],
+                              [(p.dtype, p.device) for p in self.params], *self._caps, order=order)
+
+    def _build(self, layout: list[list[int]]) -> None:
+        self.layout = layout
+        self.buckets = [Bucket([self.params[i] for i in members]) for members in layout]
+        self._slot: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)
+        for bucket, members in zip(self.buckets, layout):
+            for index, view in zip(members, bucket.views):
+                self._slot[index] = (bucket, view)
+
+    def _rebuild_in_arrival_order(self) -> None:
+        arrived = set(self._arrival)
+        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in arrived]
+        self._arrival = None
+        shared = torch.tensor(order, dtype=torch.int64)
+        _comm.broadcast(shared, 0, comm=self.pool.comms[0])
+        layout = self._assign(shared.tolist())
+        if layout == self.layout:
+            return
+        old_views = [view for _, view in self._slot]
+        self._build(layout)
+        if self.as_view:
+            for param, old, (_, new) in zip(self.params, old_views, self._slot):
+                if param.grad is not None and param.grad.data_ptr() == old.data_ptr():
+                    new.copy_(old)
+                    param.grad = new
 
     def remove_hooks(self) -> None:
         """Detach the reducer from its parameters."""
@@ -149,8 +176,14 @@ class Reducer:
         self._used_flags[index] = 1
         if not self._sync:
             return
+        if self._arrival is not None:
+            self._arrival.append(index)
         self._begin_backward()
         self._mark_ready(index)
+        if self.as_view:
+            # Free a freshly allocated gradient now (after zero_grad(set_to_none=True)),
+            # not at the end of backward: the bucket slice is the gradient from here on.
+            param.grad = self._slot[index][1]
         self._poll()
 
     def _mark_ready(self, index: int) -> None:
@@ -198,6 +231,8 @@ class Reducer:
             self._error = self._missing_error(counts)
         self._used.zero_()
         self._sync = self._started = False
+        if self._arrival is not None:
+            self._rebuild_in_arrival_order()
 
     def _copy_back(self, counts: list[int]) -> None:
         for bucket, members in zip(self.buckets, self.layout):

@@ -84,6 +84,20 @@ class Branches(nn.Module):
         return self.head(self.b(hidden) if use_b else self.a(hidden))
 
 
+class ReverseOrder(nn.Module):
+    """Layers registered in the reverse of the order forward uses them."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(10, 10) for _ in range(4)])
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
 def inputs(model_name: str, step: int):
     """The global batch of one step: (input, target), identical on every rank."""
     gen = torch.Generator().manual_seed(1000 + step)
@@ -104,7 +118,8 @@ def shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.chunk(SIZE)[RANK]
 
 
-MODELS = {"mlp": mlp, "tied": Tied, "frozen": Frozen, "mixed": MixedDtypes, "convbn": ConvBN}
+MODELS = {"mlp": mlp, "tied": Tied, "frozen": Frozen, "mixed": MixedDtypes, "convbn": ConvBN,
+          "reverse": ReverseOrder}
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),

@@ -159,3 +159,22 @@ def test_communication_overlaps_backward():
     # when the first-registered (last-produced) gradient arrives, all buckets
     # but the one holding it have been launched already
     assert launched_when[0] >= len(ddp.reducer.buckets) - 1
+
+
+def test_gradient_order_prediction_rebuilds_buckets_and_changes_no_result():
+    trained = {}
+    for predict in (False, True):
+        ddp, local = train_pair("reverse", "sgd", bucket_cap_mb=0.0001,
+                                predict_gradient_order=predict)
+        assert max_rel_diff(ddp.module, local) < TOLERANCE
+        names = ddp.reducer.names
+        first_bucket = {names[i] for i in ddp.reducer.layout[0]}
+        last_bucket = {names[i] for i in ddp.reducer.layout[-1]}
+        if predict:  # head, then layers.0 (used last in forward), ..., layers.3
+            assert first_bucket <= {"head.bias", "head.weight"} and "layers.3.weight" in last_bucket
+        else:  # reverse registration: head first, layers.0 last, though it arrives second
+            assert first_bucket <= {"head.bias", "head.weight"} and "layers.0.weight" in last_bucket
+        trained[predict] = ddp.module
+    diff = max_rel_diff(trained[True], trained[False])
+    report("order-prediction-on-vs-off", diff)
+    assert diff == 0.0 if SIZE <= 2 else diff < 1e-6
