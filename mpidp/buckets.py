@@ -10,7 +10,8 @@ __all__ = ["assign_buckets", "Bucket"]
 
 
 def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int,
-                   first_cap_bytes: int, order: Sequence[int] | None = None) -> list[list[int]]:
+                   first_cap_bytes: int, order: Sequence[int] | None = None,
+                   solo_bytes: int | None = None) -> list[list[int]]:
     """Group parameter indices into buckets, in the order their gradients are expected.
 
     Without ``order``, gradients are assumed to arrive in reverse registration
@@ -27,6 +28,8 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
         first_cap_bytes: capacity of each key's first bucket (> 0).
         order: every index once, in expected gradient arrival order
             (default: reverse registration order).
+        solo_bytes: parameters at least this big get a bucket of their own
+            (fusing them saves no latency, and copying them costs bandwidth).
 
     Returns:
         Buckets as lists of parameter indices in arrival order, the buckets
@@ -43,6 +46,9 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
     closed_count: dict[Hashable, int] = {}
     buckets: list[list[int]] = []
     for index in order:
+        if solo_bytes is not None and sizes[index] >= solo_bytes:
+            buckets.append([index])
+            continue
         key = keys[index]
         members, filled = open_buckets.get(key, ([], 0))
         members.append(index)
@@ -63,11 +69,26 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
 class Bucket:
     """A flat gradient buffer shared by several parameters, and its progress in one step.
 
+    A ``solo`` bucket holds one parameter and no buffer of its own: its
+    gradient is reduced in place, and ``buffer`` is set each step to the
+    tensor being reduced.
+
     Args:
         params: the bucket's parameters, all of one dtype and device.
+        solo: reduce the single parameter's gradient in place.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor], solo: bool = False):
+        if solo and len(params) != 1:
+            raise ValueError(f"a solo bucket holds one parameter, got {len(params)}")
+        self.solo = solo
+        self.pending = len(params)
+        self.divisor = 1  # what the strategy still divides the buffer by
+        self.spare: torch.Tensor | None = None
+        if solo:
+            self.buffer = None
+            self.views = [None]
+            return
         total = sum(p.numel() for p in params)
         self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         self.views: list[torch.Tensor] = []
@@ -75,10 +96,7 @@ class Bucket:
         for p in params:
             self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self.pending = len(params)
-        self.handle = None
 
     def reset(self) -> None:
-        """Forget the last step: every parameter pending again, no request."""
+        """Forget the last step: every parameter pending again."""
         self.pending = len(self.views)
-        self.handle = None

@@ -10,6 +10,7 @@ from mpi4py import MPI
 from torch import nn
 
 from . import comm as _comm
+from . import overlap as _overlap
 from .kernels import pack, unpack
 from .reducer import Reducer
 
@@ -115,19 +116,31 @@ class DistributedDataParallel(nn.Module):
         predict_gradient_order: after the first synced backward, rebuild the
             buckets in the order gradients actually arrived on rank 0 (as
             torch DDP does); results are identical either way.
+        overlap: how bucket allreduces run beside the backward pass:
+            "inline" (blocking, from the hook as soon as a bucket is ready),
+            "thread" (a communication thread) or "nonblocking" (nonblocking
+            collectives polled from the hooks); see ``mpidp.overlap``.
+        chunk_mb: largest single allreduce in MiB; bigger buckets are reduced
+            in chunks of this size.
+        inplace_threshold_mb: gradients of at least this many MiB skip the
+            buckets and are reduced in place (fusing them saves no latency and
+            copying them costs memory bandwidth); None puts every gradient in
+            a bucket, as torch does.
     """
 
     def __init__(self, module: nn.Module, *, comm: MPI.Intracomm | None = None,
                  bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
                  pool_size: int = 2, first_bucket_mb: float | None = None,
-                 predict_gradient_order: bool = True):
+                 predict_gradient_order: bool = True, overlap: str = "inline",
+                 chunk_mb: float = 4, inplace_threshold_mb: float | None = 1):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if comm is not None and not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be None or an mpi4py Intracomm, got {type(comm).__name__}")
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
+                            ("chunk_mb", chunk_mb), ("inplace_threshold_mb", inplace_threshold_mb)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, Real)
                                       or not value > 0):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
@@ -138,6 +151,9 @@ class DistributedDataParallel(nn.Module):
             _check_flag(name, value)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError(f"pool_size must be an int >= 1, got {pool_size!r}")
+        if overlap not in _overlap.STRATEGIES:
+            raise ValueError(f"overlap must be one of {', '.join(map(repr, _overlap.STRATEGIES))}, "
+                             f"got {overlap!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("module has no parameter that requires grad; "
@@ -154,7 +170,8 @@ class DistributedDataParallel(nn.Module):
                         find_unused_parameters=find_unused_parameters,
                         broadcast_buffers=broadcast_buffers,
                         gradient_as_bucket_view=gradient_as_bucket_view, pool_size=pool_size,
-                        predict_gradient_order=predict_gradient_order)
+                        predict_gradient_order=predict_gradient_order, overlap=overlap,
+                        chunk_mb=chunk_mb, inplace_threshold_mb=inplace_threshold_mb)
         # Gather first, then every rank decides the same: no rank may raise alone
         # and leave the others in the Dup() below.
         mismatch = first_mismatch(base.allgather(_signature(module, settings)))
@@ -164,18 +181,23 @@ class DistributedDataParallel(nn.Module):
 
         self.module = module
         self.pool = _comm.Pool(base, pool_size)
+        self.control = base.Dup()
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
         if self.pool.size > 1:
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
-                                comm=self.pool.comms[0])
-        self.reducer = Reducer(named, self.pool, bucket_cap_bytes=int(bucket_cap_mb * _MB),
+                                comm=self.control)
+        self.reducer = Reducer(named, self.pool, self.control,
+                               bucket_cap_bytes=int(bucket_cap_mb * _MB),
                                first_bucket_bytes=int(first_bucket_mb * _MB),
                                find_unused_parameters=find_unused_parameters,
                                gradient_as_bucket_view=gradient_as_bucket_view,
-                               predict_order=predict_gradient_order)
+                               predict_order=predict_gradient_order, overlap=overlap,
+                               chunk_bytes=int(chunk_mb * _MB),
+                               solo_bytes=None if inplace_threshold_mb is None
+                               else int(inplace_threshold_mb * _MB))
 
     def forward(self, *args, **kwargs):
         self.reducer.raise_pending_error()
@@ -183,7 +205,7 @@ class DistributedDataParallel(nn.Module):
         if sync and self.broadcast_buffers and self.pool.size > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                broadcast_coalesced(buffers, comm=self.pool.comms[0])
+                broadcast_coalesced(buffers, comm=self.control)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             self.reducer.prepare(output, sync)

@@ -3,12 +3,12 @@
 One step, as in the DDP paper (section 4.2): after a synced forward, ``prepare``
 arms the reducer; each parameter's post-accumulate-grad hook copies its
 gradient (pre-divided by the world size, as torch DDP does) into its bucket
-slot; when a bucket's last gradient arrives, buckets are launched strictly in
-bucket order on the next communicator of the pool, so every rank issues the
-same collectives in the same order. Hooks also poll the oldest request, because
-MPI libraries progress nonblocking collectives only inside MPI calls. At the end
-of the backward pass an autograd-engine callback waits for everything and
-leaves the averaged gradients in ``param.grad``.
+slot; when a bucket's last gradient arrives, buckets are handed strictly in
+bucket order to the overlap strategy (``mpidp.overlap``), so every rank issues
+the same collectives in the same order. Hooks also let the strategy progress
+its requests, because MPI libraries progress nonblocking collectives only inside
+MPI calls. At the end of the backward pass an autograd-engine callback waits
+for everything and leaves the averaged gradients in ``param.grad``.
 
 Every step also sums a small per-parameter "gradient arrived" map across ranks.
 With ``find_unused_parameters=True`` it tells globally unused parameters (whose
@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import comm as _comm
+from . import overlap as _overlap
 from .buckets import Bucket, assign_buckets
 from .kernels import unpack
 
@@ -60,23 +61,34 @@ class Reducer:
 
     Args:
         named_params: (name, parameter) pairs, each requiring grad, no duplicates.
-        pool: the communicator pool; its size is the world size.
+        pool: the communicators that carry bucket allreduces; its size is the world size.
+        control: a communicator of the same ranks for the reducer's small
+            collectives (never used by the strategy's thread).
         bucket_cap_bytes: bucket capacity.
         first_bucket_bytes: capacity of the first bucket of each dtype.
         find_unused_parameters: search the graph after each synced forward.
         gradient_as_bucket_view: leave ``.grad`` as a view into the bucket.
+        predict_order: rebuild the buckets once, in rank 0's observed gradient order.
+        overlap: "inline", "thread" or "nonblocking" (see ``mpidp.overlap``).
+        chunk_bytes: largest single allreduce; bigger buckets go in chunks.
+        solo_bytes: gradients at least this big skip the buckets and are
+            reduced in place (None: never).
     """
 
-    def __init__(self, named_params, pool: _comm.Pool, *, bucket_cap_bytes: int,
+    def __init__(self, named_params, pool: _comm.Pool, control, *, bucket_cap_bytes: int,
                  first_bucket_bytes: int, find_unused_parameters: bool,
-                 gradient_as_bucket_view: bool, predict_order: bool = True):
+                 gradient_as_bucket_view: bool, predict_order: bool = True,
+                 overlap: str = "inline", chunk_bytes: int = 4 << 20,
+                 solo_bytes: int | None = None):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
-        self.pool = pool
+        self.control = control
         self.world = pool.size
+        self.strategy = _overlap.make(overlap, pool, chunk_bytes)
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self._caps = (bucket_cap_bytes, first_bucket_bytes)
+        self._solo_bytes = solo_bytes
         self._build(self._assign())
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
         self._used_flags = self._used.numpy()
@@ -85,7 +97,6 @@ class Reducer:
         self._sync = False
         self._started = False
         self._next_launch = 0
-        self._oldest = 0
         self._error: RuntimeError | None = None
         # Gradient order prediction (the DDP paper's future work, torch's bucket
         # rebuild): record the order gradients arrive in during the first synced
@@ -96,11 +107,18 @@ class Reducer:
 
     def _assign(self, order: list[int] | None = None) -> list[list[int]]:
         return assign_buckets([p.numel() * p.element_size() for p in self.params],
-                              [(p.dtype, p.device) for p in self.params], *self._caps, order=order)
+                              [(p.dtype, p.device) for p in self.params], *self._caps, order=order,
+                              solo_bytes=self._solo_bytes)
+
+    def _is_solo(self, members: list[int]) -> bool:
+        param = self.params[members[0]]
+        return (len(members) == 1 and self._solo_bytes is not None
+                and param.numel() * param.element_size() >= self._solo_bytes)
 
     def _build(self, layout: list[list[int]]) -> None:
         self.layout = layout
-        self.buckets = [Bucket([self.params[i] for i in members]) for members in layout]
+        self.buckets = [Bucket([self.params[i] for i in members], solo=self._is_solo(members))
+                        for members in layout]
         self._slot: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)
         for bucket, members in zip(self.buckets, layout):
             for index, view in zip(members, bucket.views):
@@ -111,7 +129,7 @@ class Reducer:
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in arrived]
         self._arrival = None
         shared = torch.tensor(order, dtype=torch.int64)
-        _comm.broadcast(shared, 0, comm=self.pool.comms[0])
+        _comm.broadcast(shared, 0, comm=self.control)
         layout = self._assign(shared.tolist())
         if layout == self.layout:
             return
@@ -119,15 +137,18 @@ class Reducer:
         self._build(layout)
         if self.as_view:
             for param, old, (_, new) in zip(self.params, old_views, self._slot):
+                if old is None or new is None:
+                    continue
                 if param.grad is not None and param.grad.data_ptr() == old.data_ptr():
                     new.copy_(old)
                     param.grad = new
 
-    def remove_hooks(self) -> None:
-        """Detach the reducer from its parameters."""
+    def close(self) -> None:
+        """Detach the reducer from its parameters and stop its communication thread."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.strategy.close()
 
     def raise_pending_error(self) -> None:
         """Raise (once) the error the last synced backward found; same on every rank."""
@@ -149,7 +170,7 @@ class Reducer:
         for bucket in self.buckets:
             bucket.reset()
         self._ready = bytearray(len(self.params))
-        self._next_launch = self._oldest = 0
+        self._next_launch = 0
         if not self.find_unused:
             self._used.zero_()
         tensors = [t for t in tree_flatten(outputs)[0]
@@ -179,14 +200,14 @@ class Reducer:
         if self._arrival is not None:
             self._arrival.append(index)
         self._begin_backward()
-        self._mark_ready(index)
-        if self.as_view:
+        self._mark_ready(index, arrived=True)
+        if self.as_view and not self._slot[index][0].solo:
             # Free a freshly allocated gradient now (after zero_grad(set_to_none=True)),
             # not at the end of backward: the bucket slice is the gradient from here on.
             param.grad = self._slot[index][1]
-        self._poll()
+        self.strategy.poll()
 
-    def _mark_ready(self, index: int) -> None:
+    def _mark_ready(self, index: int, arrived: bool = False) -> None:
         if self._ready[index]:
             raise RuntimeError(f"parameter {self.names[index]!r} was marked ready twice in one "
                                f"backward pass; run one backward per forward of "
@@ -195,7 +216,9 @@ class Reducer:
         bucket, view = self._slot[index]
         grad = self.params[index].grad
         with torch.no_grad():
-            if grad is None:
+            if bucket.solo:
+                self._prepare_solo(bucket, self.params[index], arrived)
+            elif grad is None:
                 view.zero_()
             elif grad.data_ptr() == view.data_ptr():
                 if self.world > 1:
@@ -206,25 +229,38 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready()
 
+    def _prepare_solo(self, bucket: Bucket, param: torch.Tensor, arrived: bool) -> None:
+        # A fresh contiguous gradient is reduced where it lies. Anything else (no
+        # gradient, a non-contiguous one, or a stale .grad of a parameter that
+        # did not take part) goes through a spare buffer and leaves .grad alone.
+        grad = param.grad
+        if arrived and grad is not None and grad.is_contiguous():
+            bucket.buffer = grad.view(-1)
+            bucket.divisor = self.world  # divided chunk by chunk by the strategy
+            return
+        if bucket.spare is None:
+            bucket.spare = torch.empty(param.numel(), dtype=param.dtype, device=param.device)
+        if grad is None:
+            bucket.spare.zero_()
+        else:
+            torch.div(grad.reshape(-1), self.world, out=bucket.spare)
+        bucket.buffer = bucket.spare
+        bucket.divisor = 1
+
     def _launch_ready(self) -> None:
         # A bucket ready early waits for the ones before it: every rank must
         # issue the allreduces in the same order.
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             bucket = self.buckets[self._next_launch]
-            bucket.handle = _comm.iallreduce(bucket.buffer, "sum", comm=self.pool)
+            self.strategy.start(bucket.buffer, bucket.divisor)
             self._next_launch += 1
-
-    def _poll(self) -> None:
-        while self._oldest < self._next_launch and self.buckets[self._oldest].handle.is_completed():
-            self._oldest += 1
 
     def _finalize(self) -> None:
         for index in range(len(self.params)):
             if not self._ready[index]:
                 self._mark_ready(index)
-        used = _comm.iallreduce(self._used, "sum", comm=self.pool)
-        for bucket in self.buckets:
-            bucket.handle.wait()
+        used = _comm.iallreduce(self._used, "sum", comm=self.control)
+        self.strategy.finish()
         counts = used.wait().tolist()
         self._copy_back(counts)
         if not self.find_unused:
@@ -236,6 +272,9 @@ class Reducer:
 
     def _copy_back(self, counts: list[int]) -> None:
         for bucket, members in zip(self.buckets, self.layout):
+            if bucket.solo:
+                self._copy_back_solo(bucket, members[0], counts[members[0]])
+                continue
             targets = []
             for index, view in zip(members, bucket.views):
                 param = self.params[index]
@@ -255,6 +294,15 @@ class Reducer:
                 for target, view in zip(targets, bucket.views):
                     if target is not None:
                         unpack(view.reshape(-1), [target])
+
+    def _copy_back_solo(self, bucket: Bucket, index: int, count: int) -> None:
+        param = self.params[index]
+        if bucket.buffer is not bucket.spare or (self.find_unused and count == 0):
+            return  # reduced in place, or unused everywhere
+        if param.grad is None:
+            param.grad = bucket.spare.view(param.shape).clone()
+        else:
+            unpack(bucket.spare, [param.grad])
 
     def _missing_error(self, counts: list[int]) -> RuntimeError | None:
         missing = [f"{self.names[i]} (missing on {self.world - c} of {self.world} ranks)"

@@ -1,10 +1,12 @@
 """DistributedDataParallel on shards equals single-process training on the whole batch."""
 
+import copy
+
 import pytest
 import torch
 
 import mpidp
-from _models import (OPTIMIZERS, RANK, SIZE, Frozen, Tied, inputs, loss_of, max_rel_diff,
+from _models import (OPTIMIZERS, RANK, SIZE, Branches, Frozen, Tied, inputs, loss_of, max_rel_diff,
                      reference_copy, shard, fresh)
 
 STEPS = 5
@@ -147,9 +149,10 @@ def test_find_unused_parameters_with_all_used_matches_single_process():
     assert max_rel_diff(ddp.module, local) < TOLERANCE
 
 
-def test_communication_overlaps_backward():
+@pytest.mark.parametrize("overlap", ["inline", "thread", "nonblocking"])
+def test_communication_starts_during_backward(overlap):
     """With several buckets, the first allreduce starts before the last gradient arrives."""
-    ddp = mpidp.DistributedDataParallel(fresh("mlp"), bucket_cap_mb=0.001)
+    ddp = mpidp.DistributedDataParallel(fresh("mlp"), bucket_cap_mb=0.001, overlap=overlap)
     launched_when = []
     first = ddp.reducer.params[0]
     first.register_post_accumulate_grad_hook(
@@ -178,3 +181,46 @@ def test_gradient_order_prediction_rebuilds_buckets_and_changes_no_result():
     diff = max_rel_diff(trained[True], trained[False])
     report("order-prediction-on-vs-off", diff)
     assert diff == 0.0 if SIZE <= 2 else diff < 1e-6
+
+
+@pytest.mark.parametrize("overlap", ["inline", "thread", "nonblocking"])
+@pytest.mark.parametrize("inplace", [None, 0.0005], ids=["bucketed", "inplace"])
+def test_every_overlap_strategy_and_inplace_reduction_match_single_process(overlap, inplace):
+    ddp, local = train_pair("mlp", "adam", bucket_cap_mb=0.001, chunk_mb=0.0005,
+                            overlap=overlap, inplace_threshold_mb=inplace)
+    if inplace:
+        assert any(b.solo for b in ddp.reducer.buckets) and not all(b.solo for b in ddp.reducer.buckets)
+    diff = max_rel_diff(ddp.module, local)
+    report(f"overlap-{overlap}-{'inplace' if inplace else 'bucketed'}", diff)
+    assert diff < TOLERANCE
+    ddp.reducer.close()
+
+
+def test_inplace_reduction_keeps_the_grad_tensor_and_spares_unused_stale_grads():
+    torch.manual_seed(0)
+    model = Branches()
+    ddp = mpidp.DistributedDataParallel(model, find_unused_parameters=True,
+                                        inplace_threshold_mb=0.0001)
+    x, y = inputs("mlp", 0)
+    model.never.weight.grad = torch.full_like(model.never.weight, 3.0)
+    grad_object = None
+    for step in range(2):
+        loss_of("mlp", ddp(shard(x), False), shard(y)).backward()
+        if step == 0:
+            grad_object = model.trunk.weight.grad
+    assert model.trunk.weight.grad is grad_object  # reduced where it lay, no copy
+    assert torch.all(model.never.weight.grad == 3.0)  # unused everywhere: untouched
+    expected = model.trunk.weight.grad.clone()
+    mpidp.comm.allreduce(expected, "max")
+    assert torch.equal(expected, model.trunk.weight.grad)  # same on every rank
+
+
+def test_inplace_reduction_of_a_non_contiguous_gradient():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    ddp = mpidp.DistributedDataParallel(conv, inplace_threshold_mb=0.0001)
+    reference = copy.deepcopy(conv).to(memory_format=torch.contiguous_format)
+    x = torch.randn(SIZE * 2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+    ddp(shard(x).contiguous(memory_format=torch.channels_last)).square().mean().backward()
+    reference(x).square().mean().backward()
+    torch.testing.assert_close(conv.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-7)

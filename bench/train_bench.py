@@ -1,0 +1,222 @@
+"""Training-step benchmark worker: run under mpiexec; bench/run.py drives it.
+
+    mpiexec -n 2 python bench/train_bench.py --model mlp --out r.jsonl --modes local naive mpidp:pool=1
+
+Every mode trains its own copy of the same model on the same per-rank batches,
+one thread per rank; rounds alternate the modes so machine noise hits all
+alike. A step's time is the slowest rank's. Modes:
+
+- ``local``: no communication, the compute floor;
+- ``naive``: one blocking mpi4py allreduce per gradient after backward;
+- ``flat``: flatten every gradient, one allreduce, unflatten;
+- ``ddp-gloo``: torch's DistributedDataParallel over gloo (loopback TCP);
+- ``mpidp``: mpidp.DistributedDataParallel at its defaults; ``mpidp:key=value,...``
+  changes settings: ``bucket`` and ``chunk`` (MiB), ``pool``, ``view`` (0/1),
+  ``predict`` (0/1), ``poll`` (0/1: the hooks' progress polling), ``overlap``
+  (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off).
+
+With ``--memory`` a single mode runs and the peak resident memory is reported.
+Rank 0 appends one JSON object per mode to ``--out``.
+"""
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch import nn
+
+import mpidp
+from models import build
+
+COMM = MPI.COMM_WORLD
+
+
+def init_gloo():
+    port = None
+    if COMM.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{COMM.bcast(port)}",
+                            rank=COMM.rank, world_size=COMM.size)
+
+
+def parse_mode(spec: str) -> tuple[str, dict]:
+    name, _, options = spec.partition(":")
+    settings = {}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        settings[key] = float(value)
+    return name, settings
+
+
+class Runner:
+    """One mode: a model copy, its optimizer, and a step that reports its phases."""
+
+    def __init__(self, spec, model_name):
+        self.spec = spec
+        self.name, self.settings = parse_mode(spec)
+        model, self.batches, self.loss = build(model_name, COMM.rank)
+        self.wait = 0.0
+        self.model = self.wrap(model)
+        self.module = getattr(self.model, "module", self.model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.step_index = 0
+
+    def wrap(self, model):
+        if self.name in ("local", "naive", "flat"):
+            return model
+        if self.name == "ddp-gloo":
+            return nn.parallel.DistributedDataParallel(model)
+        if self.name != "mpidp":
+            raise ValueError(f"unknown mode {self.spec!r}")
+        options = dict(gradient_as_bucket_view=bool(self.settings.get("view", 0)),
+                       predict_gradient_order=bool(self.settings.get("predict", 1)))
+        if "bucket" in self.settings:
+            options["bucket_cap_mb"] = self.settings["bucket"]
+        if "pool" in self.settings:
+            options["pool_size"] = int(self.settings["pool"])
+        if "inplace" in self.settings:
+            options["inplace_threshold_mb"] = self.settings["inplace"] or None
+        if "chunk" in self.settings:
+            options["chunk_mb"] = self.settings["chunk"]
+        if "overlap" in self.settings:
+            options["overlap"] = ("nonblocking", "thread", "inline")[int(self.settings["overlap"])]
+        wrapped = mpidp.DistributedDataParallel(model, **options)
+        if not self.settings.get("poll", 1):
+            wrapped.reducer.strategy.poll = lambda: None
+        finalize = wrapped.reducer._finalize
+
+        def timed_finalize():
+            start = time.perf_counter()
+            finalize()
+            self.wait = time.perf_counter() - start
+
+        wrapped.reducer._finalize = timed_finalize
+        return wrapped
+
+    def allreduce_grads(self):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.name == "naive":
+            for grad in grads:
+                COMM.Allreduce(MPI.IN_PLACE, grad.numpy())
+                grad.div_(COMM.size)
+        elif self.name == "flat":
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            COMM.Allreduce(MPI.IN_PLACE, flat.numpy())
+            flat.div_(COMM.size)
+            for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(part.view_as(grad))
+
+    def step(self) -> dict:
+        x, y = self.batches[self.step_index % len(self.batches)]
+        self.step_index += 1
+        marks = [time.perf_counter()]
+        self.optimizer.zero_grad()
+        output = self.model(x)
+        marks.append(time.perf_counter())
+        self.loss(output, y).backward()
+        marks.append(time.perf_counter())
+        self.allreduce_grads()
+        marks.append(time.perf_counter())
+        self.optimizer.step()
+        marks.append(time.perf_counter())
+        forward, backward, comm, optimizer = (b - a for a, b in zip(marks, marks[1:]))
+        if self.name == "mpidp":  # the end-of-backward wait is inside backward()
+            backward, comm = backward - self.wait, self.wait
+        elif self.name == "ddp-gloo":
+            comm = float("nan")  # torch DDP's wait cannot be separated from its backward
+        return dict(forward=forward, backward=backward, wait=comm, optimizer=optimizer,
+                    total=marks[-1] - marks[0])
+
+
+def timed(runner, steps):
+    records = []
+    for _ in range(steps):
+        COMM.Barrier()
+        records.append(runner.step())
+    return records
+
+
+def summarize(spec, model_name, records, runner):
+    totals = [max(ranks) for ranks in zip(*COMM.allgather([r["total"] for r in records]))]
+    ms = sorted(t * 1e3 for t in totals)
+    phases = {key: statistics.median(r[key] for r in records) * 1e3
+              for key in ("forward", "backward", "wait", "optimizer")}
+    phases = {k: statistics.fmean(v) for k, v in
+              zip(phases, zip(*COMM.allgather(list(phases.values()))))}
+    return dict(kind="train", model=model_name, mode=spec, ranks=COMM.size, steps=len(ms),
+                median_ms=statistics.median(ms), p90_ms=ms[int(0.9 * (len(ms) - 1))],
+                breakdown_ms=phases,
+                params=sum(p.numel() for p in runner.module.parameters()))
+
+
+def final_parameters(runner):
+    return torch.cat([p.detach().reshape(-1) for p in runner.module.parameters()])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--modes", nargs="+", default=["local", "naive", "flat", "ddp-gloo", "mpidp"])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    specs = args.modes
+    if any(parse_mode(s)[0] == "ddp-gloo" for s in specs):
+        init_gloo()
+    if args.memory:
+        (spec,) = specs
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        runner = Runner(spec, args.model)
+        timed(runner, args.warmup + args.steps)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peaks = COMM.gather((baseline / 1024, peak / 1024))
+        if COMM.rank == 0:
+            record = dict(kind="memory", model=args.model, mode=spec, ranks=COMM.size,
+                          peak_mib=max(p for _, p in peaks),
+                          peak_over_start_mib=max(p - b for b, p in peaks))
+            with open(args.out, "a") as out:
+                out.write(json.dumps(record) + "\n")
+        return
+    runners = [Runner(spec, args.model) for spec in specs]
+    records = {spec: [] for spec in specs}
+    for runner in runners:
+        timed(runner, args.warmup)
+    # Modes take turns step by step: slow drifts of the machine (frequency,
+    # memory layout, neighbours) then hit every mode alike.
+    for _ in range(args.steps):
+        for runner in runners:
+            records[runner.spec] += timed(runner, 1)
+    results = [summarize(r.spec, args.model, records[r.spec], r) for r in runners]
+    # At 2 ranks every correct averaging scheme gives bit-identical parameters.
+    reference = next((r for r in runners if r.name == "mpidp"), None)
+    for result, runner in zip(results, runners):
+        if runner.name != "local" and reference is not None:
+            same = torch.equal(final_parameters(runner), final_parameters(reference))
+            diff = (final_parameters(runner) - final_parameters(reference)).abs().max().item()
+            result.update(identical_to_mpidp=same, max_abs_diff_to_mpidp=diff)
+    if COMM.rank == 0:
+        with open(args.out, "a") as out:
+            for result in results:
+                out.write(json.dumps(result) + "\n")
+        for result in results:
+            print(f"{args.model:12s} {result['mode']:28s} median {result['median_ms']:8.1f} ms "
+                  f"p90 {result['p90_ms']:8.1f} ms  identical={result.get('identical_to_mpidp', '-')}",
+                  flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
