@@ -23,25 +23,37 @@ _MB = 1024 * 1024
 _FIRST_BUCKET_MB = 1.0
 
 
-def broadcast_coalesced(tensors, root: int = 0, *, comm=None) -> None:
-    """Broadcast ``tensors`` from ``root`` with one broadcast per (dtype, device).
+def broadcast_coalesced(tensors, root: int = 0, *, comm=None, inplace_bytes: int = 1 << 20) -> None:
+    """Broadcast ``tensors`` from ``root``: large ones in place, small ones coalesced.
+
+    Tensors of at least ``inplace_bytes`` are broadcast where they lie (a copy
+    would only cost memory); the others go in one broadcast per (dtype, device).
 
     Args:
         tensors: tensors to overwrite on non-root ranks (any shapes, contiguous or not).
         root: the rank whose values everyone receives.
         comm: None, an ``mpidp.comm.Pool`` or an mpi4py communicator.
+        inplace_bytes: size from which a tensor is broadcast on its own.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     is_root = _rank_of(comm) == root
+    for tensor in tensors:
+        tensor = tensor.detach()
+        if tensor.numel() * tensor.element_size() < inplace_bytes:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        elif tensor.is_contiguous():
+            _comm.broadcast(tensor, root, comm=comm)
+        else:
+            staged = tensor.contiguous()
+            _comm.broadcast(staged, root, comm=comm)
+            tensor.copy_(staged)
     for (dtype, device), group in groups.items():
         flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
         if is_root:
-            pack([t.detach() for t in group], flat)
+            pack(group, flat)
         _comm.broadcast(flat, root, comm=comm)
         if not is_root:
-            unpack(flat, [t.detach() for t in group])
+            unpack(flat, group)
 
 
 def _rank_of(comm) -> int:

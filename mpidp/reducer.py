@@ -297,7 +297,10 @@ class Reducer:
 
     def _copy_back_solo(self, bucket: Bucket, index: int, count: int) -> None:
         param = self.params[index]
-        if bucket.buffer is not bucket.spare or (self.find_unused and count == 0):
+        # Drop the reference to this step's gradient, so zero_grad(set_to_none=True)
+        # really frees it before the next backward allocates another.
+        buffer, bucket.buffer = bucket.buffer, None
+        if buffer is not bucket.spare or (self.find_unused and count == 0):
             return  # reduced in place, or unused everywhere
         if param.grad is None:
             param.grad = bucket.spare.view(param.shape).clone()

@@ -1,6 +1,8 @@
 """DistributedDataParallel on shards equals single-process training on the whole batch."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -224,3 +226,13 @@ def test_inplace_reduction_of_a_non_contiguous_gradient():
     ddp(shard(x).contiguous(memory_format=torch.channels_last)).square().mean().backward()
     reference(x).square().mean().backward()
     torch.testing.assert_close(conv.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_zero_grad_set_to_none_frees_the_reduced_gradients():
+    ddp = mpidp.DistributedDataParallel(fresh("mlp"), inplace_threshold_mb=0.0001)
+    x, y = inputs("mlp", 0)
+    loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+    grads = [weakref.ref(p.grad) for p in ddp.parameters()]
+    ddp.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(ref() is None for ref in grads)  # mpidp holds no reference to a step's gradient
