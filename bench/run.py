@@ -25,9 +25,12 @@ MODELS = ("mlp", "cnn", "transformer", "wide")
 MAIN_MODES = ["local", "naive", "flat", "ddp-gloo", "mpidp"]
 SWEEPS = {
     "bucket": ["mpidp:bucket=1", "mpidp:bucket=5", "mpidp", "mpidp:bucket=100"],
+    "bucket, every gradient in a bucket": ["mpidp:inplace=0,bucket=1", "mpidp:inplace=0,bucket=5",
+                                           "mpidp:inplace=0", "mpidp:inplace=0,bucket=100"],
     "pool (nonblocking)": ["mpidp:overlap=0,pool=1", "mpidp:overlap=0,pool=2", "mpidp:overlap=0,pool=4"],
     "overlap": ["mpidp", "mpidp:overlap=1", "mpidp:overlap=0"],
     "in-place threshold": ["mpidp", "mpidp:inplace=0"],
+    "chunk": ["mpidp:chunk=1", "mpidp", "mpidp:chunk=16", "mpidp:chunk=64"],
 }
 MEMORY_MODES = ["local", "naive", "flat", "ddp-gloo", "mpidp", "mpidp:view=1"]
 ORDER_MODES = ["local", "mpidp", "mpidp:predict=0", "mpidp:overlap=1", "mpidp:overlap=1,predict=0"]
@@ -118,9 +121,12 @@ def report(records: list[dict], args) -> str:
                     for model in args.models]
             out.append(table(["model"] + modes, rows))
     out.append("\n## Gradient order prediction (mlp-reverse: layers run last-registered first)\n")
-    out.append(table(["mode", "median ms", "p90 ms", "identical to mpidp"],
+    out.append("`first allreduce at` = how far into the backward pass the first allreduce started "
+               "(median; 0 = at once, 1 = at the end).\n")
+    out.append(table(["mode", "median ms", "p90 ms", "first allreduce at", "identical to mpidp"],
                      [[m, f"{train[('mlp-reverse', m)]['median_ms']:.1f}",
                        f"{train[('mlp-reverse', m)]['p90_ms']:.1f}",
+                       _fraction(train[("mlp-reverse", m)].get("first_allreduce_at")),
                        train[("mlp-reverse", m)].get("identical_to_mpidp", "-")] for m in ORDER_MODES]))
     out.append("\n## Peak memory per rank (MiB; growth = peak minus the process before the model)\n")
     rows = [[model, mode, f"{memory[(model, mode)]['peak_mib']:.0f}",
@@ -144,6 +150,10 @@ def report(records: list[dict], args) -> str:
     out.append("\n## Targets\n")
     out.append(table(["target", "measured", "met"], targets(train, by, sizes, args)))
     return "\n".join(out) + "\n"
+
+
+def _fraction(value):
+    return "-" if value is None else f"{value:.2f}"
 
 
 def targets(train, by, sizes, args):
@@ -188,15 +198,19 @@ def plots(records, args, folder: Path) -> None:
     if not args.quick:
         figure, axes = plt.subplots(figsize=(6, 4))
         caps = [1, 5, 25, 100]
-        for model in args.models:
+        for k, model in enumerate(args.models):
             local = train[(model, "local")]["median_ms"]
+            color = f"C{k}"
             axes.plot(caps, [train[(model, m)]["median_ms"] / local for m in SWEEPS["bucket"]],
-                      marker="o", label=model)
+                      marker="o", color=color, label=f"{model}")
+            axes.plot(caps, [train[(model, m)]["median_ms"] / local
+                             for m in SWEEPS["bucket, every gradient in a bucket"]],
+                      marker="x", linestyle="--", color=color, label=f"{model}, no in-place")
         axes.set_xscale("log")
         axes.set_xlabel("bucket_cap_mb")
         axes.set_ylabel("step time / local")
         axes.set_title("Step time vs bucket size (mpidp defaults otherwise)")
-        axes.legend()
+        axes.legend(fontsize=7)
         figure.tight_layout()
         figure.savefig(folder / "bucket_size.png", dpi=120)
     ar = [r for r in records if r["kind"] == "allreduce"]

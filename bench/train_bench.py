@@ -13,7 +13,8 @@ alike. A step's time is the slowest rank's. Modes:
 - ``mpidp``: mpidp.DistributedDataParallel at its defaults; ``mpidp:key=value,...``
   changes settings: ``bucket`` and ``chunk`` (MiB), ``pool``, ``view`` (0/1),
   ``predict`` (0/1), ``poll`` (0/1: the hooks' progress polling), ``overlap``
-  (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off).
+  (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off),
+  ``buffers`` (0/1: broadcast_buffers).
 
 With ``--memory`` a single mode runs and the peak resident memory is reported.
 Rank 0 appends one JSON object per mode to ``--out``.
@@ -65,6 +66,7 @@ class Runner:
         self.name, self.settings = parse_mode(spec)
         model, self.batches, self.loss = build(model_name, COMM.rank)
         self.wait = 0.0
+        self.first_launch = None
         self.model = self.wrap(model)
         self.module = getattr(self.model, "module", self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
@@ -78,6 +80,7 @@ class Runner:
         if self.name != "mpidp":
             raise ValueError(f"unknown mode {self.spec!r}")
         options = dict(gradient_as_bucket_view=bool(self.settings.get("view", 0)),
+                       broadcast_buffers=bool(self.settings.get("buffers", 1)),
                        predict_gradient_order=bool(self.settings.get("predict", 1)))
         if "bucket" in self.settings:
             options["bucket_cap_mb"] = self.settings["bucket"]
@@ -100,6 +103,14 @@ class Runner:
             self.wait = time.perf_counter() - start
 
         wrapped.reducer._finalize = timed_finalize
+        start = wrapped.reducer.strategy.start
+
+        def timed_start(*args):
+            if self.first_launch is None:
+                self.first_launch = time.perf_counter()
+            start(*args)
+
+        wrapped.reducer.strategy.start = timed_start
         return wrapped
 
     def allreduce_grads(self):
@@ -122,8 +133,12 @@ class Runner:
         self.optimizer.zero_grad()
         output = self.model(x)
         marks.append(time.perf_counter())
+        self.first_launch = None
         self.loss(output, y).backward()
         marks.append(time.perf_counter())
+        # How far into the backward pass the first allreduce started (0 = at once).
+        first = (float("nan") if self.first_launch is None else
+                 (self.first_launch - marks[1]) / (marks[2] - marks[1]))
         self.allreduce_grads()
         marks.append(time.perf_counter())
         self.optimizer.step()
@@ -134,7 +149,7 @@ class Runner:
         elif self.name == "ddp-gloo":
             comm = float("nan")  # torch DDP's wait cannot be separated from its backward
         return dict(forward=forward, backward=backward, wait=comm, optimizer=optimizer,
-                    total=marks[-1] - marks[0])
+                    total=marks[-1] - marks[0], first_launch=first)
 
 
 def timed(runner, steps):
@@ -152,9 +167,11 @@ def summarize(spec, model_name, records, runner):
               for key in ("forward", "backward", "wait", "optimizer")}
     phases = {k: statistics.fmean(v) for k, v in
               zip(phases, zip(*COMM.allgather(list(phases.values()))))}
+    first = [r["first_launch"] for r in records if r["first_launch"] == r["first_launch"]]
     return dict(kind="train", model=model_name, mode=spec, ranks=COMM.size, steps=len(ms),
                 median_ms=statistics.median(ms), p90_ms=ms[int(0.9 * (len(ms) - 1))],
                 breakdown_ms=phases,
+                first_allreduce_at=statistics.median(first) if first else None,
                 params=sum(p.numel() for p in runner.module.parameters()))
 
 

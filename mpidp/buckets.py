@@ -46,10 +46,16 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
     closed_count: dict[Hashable, int] = {}
     buckets: list[list[int]] = []
     for index in order:
+        key = keys[index]
         if solo_bytes is not None and sizes[index] >= solo_bytes:
+            # Close the open bucket of this key first: a bucket must hold
+            # neighbours in arrival order, or it is ready only when its last
+            # member arrives and every bucket after it waits that long.
+            if key in open_buckets:
+                buckets.append(open_buckets.pop(key)[0])
+                closed_count[key] = closed_count.get(key, 0) + 1
             buckets.append([index])
             continue
-        key = keys[index]
         members, filled = open_buckets.get(key, ([], 0))
         members.append(index)
         filled += sizes[index]

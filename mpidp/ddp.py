@@ -11,6 +11,7 @@ from torch import nn
 
 from . import comm as _comm
 from . import overlap as _overlap
+from . import topology
 from .kernels import pack, unpack
 from .reducer import Reducer
 
@@ -190,6 +191,7 @@ class DistributedDataParallel(nn.Module):
         if mismatch is not None:
             raise ValueError(f"DistributedDataParallel: the model or its settings differ "
                              f"across ranks: {mismatch}")
+        topology.warn_about_binding(base)  # names the line that built this DDP
 
         self.module = module
         self.pool = _comm.Pool(base, pool_size)

@@ -44,6 +44,24 @@ def test_every_parameter_lands_in_exactly_one_bucket():
         assert sum(sizes[i] for i in members[:-1]) < 20000
 
 
+def test_solo_parameters_get_their_own_bucket_and_keep_neighbours_together():
+    # biases (10 B) and weights (1000 B) alternate, as in an MLP; weights go solo
+    sizes = [1000, 10] * 3
+    layout = assign_buckets(sizes, [F32] * 6, cap_bytes=500, first_cap_bytes=500, solo_bytes=1000)
+    # a bias bucket never spans a solo weight, so each is ready when its layer is done
+    assert layout == [[5], [4], [3], [2], [1], [0]]
+    layout = assign_buckets([10, 10, 1000, 10, 10], [F32] * 5, cap_bytes=500, first_cap_bytes=500,
+                            solo_bytes=1000)
+    assert layout == [[4, 3], [2], [1, 0]]
+
+
+def test_bucket_assignment_follows_a_given_arrival_order():
+    layout = assign_buckets([4] * 4, [F32] * 4, cap_bytes=8, first_cap_bytes=8, order=[0, 1, 2, 3])
+    assert layout == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="order must hold every index from 0 to 3 once"):
+        assign_buckets([4] * 4, [F32] * 4, cap_bytes=8, first_cap_bytes=8, order=[0, 0, 1, 2])
+
+
 def test_bucket_assignment_rejects_bad_caps():
     with pytest.raises(ValueError, match="bucket caps must be > 0, got 0 and 10"):
         assign_buckets([1], [F32], cap_bytes=0, first_cap_bytes=10)

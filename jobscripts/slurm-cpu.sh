@@ -1,0 +1,36 @@
+#!/bin/bash
+# mpidp on SLURM CPU nodes: one MPI rank per NUMA domain, its cores for torch's threads.
+#
+# Find your node's layout with `lscpu | grep -i numa`: a node with 2 NUMA
+# domains of 24 cores each wants --ntasks-per-node=2 --cpus-per-task=24.
+#SBATCH --job-name=mpidp-cpu
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2         # = NUMA domains per node
+#SBATCH --cpus-per-task=24          # = cores per NUMA domain
+#SBATCH --time=00:30:00
+#SBATCH --output=%x-%j.out
+#   add your site's --partition / --account lines here
+#
+# Test it on any machine without SLURM:  MPIDP_DRY_RUN=1 bash jobscripts/slurm-cpu.sh
+set -euo pipefail
+
+# Edit: activate the environment where mpidp is installed, e.g.
+#   source "$HOME/venvs/mpidp/bin/activate"     or     module load python cray-mpich
+
+# One torch thread per core the rank owns (mpidp does the same when it is unset).
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+# Each task gets a block of cpus-per-task cores; block:block keeps a task's
+# cores inside one socket/NUMA domain.
+LAUNCH=(srun --cpu-bind=cores --distribution=block:block)
+#   MPICH's own launcher instead:   mpiexec -n "$SLURM_NTASKS" -ppn 2 -bind-to numa
+#   Open MPI's launcher instead:    mpiexec -n "$SLURM_NTASKS" --map-by ppr:1:numa --bind-to numa
+EXAMPLE=(examples/train_digits.py --epochs 10)
+
+if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
+    echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp info"
+    LAUNCH=(mpiexec -n 2 -bind-to core)  # the local stand-in: 2 ranks, a core each
+    EXAMPLE=(examples/train_digits.py --epochs 1)
+fi
+
+"${LAUNCH[@]}" python -m mpidp info
+"${LAUNCH[@]}" python "${EXAMPLE[@]}"

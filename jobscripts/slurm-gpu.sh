@@ -1,0 +1,34 @@
+#!/bin/bash
+# mpidp on SLURM GPU nodes: one MPI rank per GPU.
+#
+# mpidp picks the GPU of each rank's local rank; the cores per task feed the
+# data loader and the host-side work.
+#SBATCH --job-name=mpidp-gpu
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4         # = GPUs per node
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=8           # = cores per node / GPUs per node
+#SBATCH --time=00:30:00
+#SBATCH --output=%x-%j.out
+#   add your site's --partition / --account lines here
+#
+# Test it on any machine without SLURM:  MPIDP_DRY_RUN=1 bash jobscripts/slurm-gpu.sh
+set -euo pipefail
+
+# Edit: activate the environment where mpidp is installed, e.g.
+#   source "$HOME/venvs/mpidp/bin/activate"     or     module load python cuda cray-mpich
+
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+# Cray MPICH: export MPICH_GPU_SUPPORT_ENABLED=1 for CUDA-aware communication.
+# --gpu-bind=closest gives each task the GPU nearest its cores.
+LAUNCH=(srun --cpu-bind=cores --gpu-bind=closest)
+EXAMPLE=(examples/train_digits.py --epochs 10)
+
+if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
+    echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp info"
+    LAUNCH=(mpiexec -n 2 -bind-to core)  # the local stand-in: 2 ranks, a core each
+    EXAMPLE=(examples/train_digits.py --epochs 1)
+fi
+
+"${LAUNCH[@]}" python -m mpidp info
+"${LAUNCH[@]}" python "${EXAMPLE[@]}"

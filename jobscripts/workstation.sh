@@ -1,0 +1,28 @@
+#!/bin/bash
+# mpidp on one machine: NRANKS ranks, each bound to its own block of cores.
+#
+#   bash jobscripts/workstation.sh            # 2 ranks
+#   NRANKS=4 bash jobscripts/workstation.sh
+# On a machine with several NUMA domains, use one rank per domain
+# (`lscpu | grep -i numa`) and -bind-to numa instead of core blocks.
+set -euo pipefail
+
+# Edit: activate the environment where mpidp is installed, e.g.
+#   source .venv/bin/activate
+
+NRANKS=${NRANKS:-2}
+CORES_PER_RANK=$(( $(nproc) / NRANKS ))
+(( CORES_PER_RANK >= 1 )) || CORES_PER_RANK=1
+export OMP_NUM_THREADS=$CORES_PER_RANK
+# MPICH (Hydra): each rank gets CORES_PER_RANK cores of its own.
+# Open MPI instead: mpiexec -n "$NRANKS" --map-by slot:PE=$CORES_PER_RANK --bind-to core
+LAUNCH=(mpiexec -n "$NRANKS" -bind-to "core:$CORES_PER_RANK")
+EXAMPLE=(examples/train_digits.py --epochs 10)
+
+if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
+    echo "dry run: this runs: ${LAUNCH[*]} python -m mpidp info"
+    EXAMPLE=(examples/train_digits.py --epochs 1)
+fi
+
+"${LAUNCH[@]}" python -m mpidp info
+"${LAUNCH[@]}" python "${EXAMPLE[@]}"

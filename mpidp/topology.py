@@ -1,0 +1,157 @@
+"""Where each rank runs: bound cores, NUMA nodes, threads, GPU; and binding warnings.
+
+Slow CPU data parallelism usually comes from binding: ranks on one node that
+share cores, a rank whose cores span NUMA domains, or more torch threads than
+bound cores. ``topology()`` describes this rank, ``gather()`` every rank, and
+``binding_warnings()`` turns a gathered list into plain-language warnings.
+
+At import, mpidp sets torch's intra-op threads to the number of cores this
+rank is bound to, unless ``OMP_NUM_THREADS`` is set or ``MPIDP_SET_THREADS=0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from . import runtime
+
+__all__ = ["RankTopology", "topology", "gather", "binding_warnings", "warn_about_binding",
+           "parse_cpulist", "default_threads"]
+
+NODE_ROOT = Path("/sys/devices/system/node")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTopology:
+    """What one rank runs on."""
+
+    rank: int
+    host: str
+    local_rank: int
+    cores: tuple[int, ...]
+    numa_nodes: tuple[int, ...]
+    torch_threads: int
+    gpu: str | None
+
+    def as_row(self) -> dict:
+        """A flat dict for tables and JSON logs."""
+        return dict(rank=self.rank, host=self.host, local_rank=self.local_rank,
+                    numa=",".join(map(str, self.numa_nodes)) or "-",
+                    cores=compress_cpulist(self.cores), torch_threads=self.torch_threads,
+                    gpu=self.gpu or "-")
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """Parse a Linux cpulist such as ``0-3,8,10-11``."""
+    cores: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def compress_cpulist(cores) -> str:
+    """Write cores as a Linux cpulist: ``(0, 1, 2, 5)`` -> ``0-2,5``."""
+    ranges, cores = [], sorted(cores)
+    for core in cores:
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def numa_nodes_of(cores, root: Path = NODE_ROOT) -> tuple[int, ...]:
+    """Return the NUMA nodes that hold any of ``cores`` (empty where sysfs lacks them)."""
+    nodes = []
+    for path in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        cpulist = path / "cpulist"
+        if cpulist.exists() and parse_cpulist(cpulist.read_text()) & set(cores):
+            nodes.append(int(path.name[4:]))
+    return tuple(nodes)
+
+
+def _gpu_of(local_rank: int) -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    index = local_rank % torch.cuda.device_count()
+    return f"cuda:{index} {torch.cuda.get_device_name(index)}"
+
+
+def topology() -> RankTopology:
+    """Describe this rank: host, local rank, bound cores, NUMA nodes, torch threads, GPU."""
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    return RankTopology(rank=runtime.rank(), host=socket.gethostname(),
+                        local_rank=runtime.local_rank(), cores=cores,
+                        numa_nodes=numa_nodes_of(cores), torch_threads=torch.get_num_threads(),
+                        gpu=_gpu_of(runtime.local_rank()))
+
+
+def gather(comm: MPI.Comm | None = None) -> list[RankTopology]:
+    """Every rank's ``topology()``, on every rank (collective)."""
+    return (comm or MPI.COMM_WORLD).allgather(topology())
+
+
+def binding_warnings(ranks: list[RankTopology]) -> list[str]:
+    """Plain-language warnings about a gathered list of rank topologies."""
+    found = []
+    by_host: dict[str, list[RankTopology]] = {}
+    for rank in ranks:
+        by_host.setdefault(rank.host, []).append(rank)
+    for host, members in by_host.items():
+        sharing = sorted({r.rank for a in members for b in members if a.rank != b.rank
+                          and set(a.cores) & set(b.cores) for r in (a, b)})
+        if sharing:
+            found.append(f"ranks {sharing} on {host} share cores; bind one rank per NUMA domain "
+                         f"(mpiexec -bind-to numa, srun --cpu-bind=...; see jobscripts/)")
+    spanning = [r.rank for r in ranks if len(r.numa_nodes) > 1]
+    if spanning:
+        found.append(f"ranks {spanning} are bound to cores in more than one NUMA domain; "
+                     f"their memory traffic crosses domains")
+    crowded = [r.rank for r in ranks if r.torch_threads > len(r.cores)]
+    if crowded:
+        found.append(f"ranks {crowded} run more torch threads than the cores they are bound "
+                     f"to; set OMP_NUM_THREADS to the cores per rank")
+    return found
+
+
+_warned = False
+
+
+def warn_about_binding(comm: MPI.Comm | None = None, stacklevel: int = 3) -> list[str]:
+    """Gather topologies and warn once, on rank 0, about binding problems (collective).
+
+    Args:
+        comm: the ranks to look at (default ``MPI.COMM_WORLD``).
+        stacklevel: passed to ``warnings.warn``; the default names the caller's caller.
+
+    Returns:
+        The warnings (the same list on every rank).
+    """
+    global _warned
+    found = binding_warnings(gather(comm))
+    if found and not _warned and (comm or MPI.COMM_WORLD).Get_rank() == 0:
+        for text in found:
+            warnings.warn(f"mpidp: {text}", RuntimeWarning, stacklevel=stacklevel)
+    _warned = True
+    return found
+
+
+def default_threads() -> int | None:
+    """The intra-op thread count mpidp sets at import, or None to leave torch's choice."""
+    if "OMP_NUM_THREADS" in os.environ or os.environ.get("MPIDP_SET_THREADS", "1") == "0":
+        return None
+    return len(os.sched_getaffinity(0))
+
+
+def _apply_default_threads() -> None:
+    threads = default_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
