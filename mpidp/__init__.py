@@ -7,7 +7,7 @@ also sets torch's intra-op threads to the cores this rank is bound to, unless
 ``OMP_NUM_THREADS`` is set (see ``mpidp.topology``; ``MPIDP_SET_THREADS=0``).
 """
 
-from . import comm, kernels, runtime, topology
+from . import comm, cuda, kernels, runtime, topology
 from .ddp import DDP, DistributedDataParallel
 from .runtime import abort_on_exception, barrier, local_rank, local_size, rank, size
 from .sampler import DistributedSampler
@@ -18,8 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedDataParallel", "DDP", "DistributedSampler",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
-    "comm", "kernels", "runtime", "topology", "rank_topology", "__version__",
+    "comm", "cuda", "kernels", "runtime", "topology", "rank_topology", "__version__",
 ]
 
 runtime._install_default_hook()
 topology._apply_default_threads()
+cuda._start_up()  # pins this rank's GPU and decides, on every rank alike, how MPI sees it

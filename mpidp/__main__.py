@@ -25,9 +25,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def cuda_aware_status() -> str:
-    if not torch.cuda.is_available():
-        return "off (no GPU visible to torch)"
-    return "unknown (mpidp trains on CPU tensors in this version)"
+    decision = mpidp.cuda.decision()
+    return f"{'on' if decision.cuda_aware else 'off'} ({decision.reason})"
 
 
 def info() -> int:

@@ -9,8 +9,11 @@ communicators lets several collectives progress at once, as the DDP paper's
 round-robin process groups do; collectives must still be issued in the same
 order on every rank.
 
-Supported dtypes: float16, bfloat16, float32, float64, int32, int64, uint8 and
-bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
+Tensors may live on the CPU or a CUDA device. Before MPI touches device memory,
+the stream that produced it is synchronised (mpi4py cannot do that); a
+CUDA-aware library then reads device memory directly, any other gets a copy
+staged through pinned host memory (see ``mpidp.cuda``). Supported dtypes:
+float16, bfloat16, float32, float64, int32, int64, uint8 and bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
 dtype; on bool, sum/max are logical or and prod/min logical and). Where the MPI
 library lacks a datatype or an op for a dtype (bfloat16 reductions in most
 libraries), mpidp reduces with a user-defined MPI op computed by torch. Which
@@ -31,6 +34,8 @@ import os
 import torch
 from mpi4py import MPI
 
+from . import cuda as _cuda
+
 __all__ = [
     "OPS", "Handle", "Pool", "default_pool",
     "allreduce", "iallreduce", "broadcast", "ibroadcast", "allgather", "iallgather",
@@ -41,6 +46,7 @@ __all__ = [
 OPS = ("sum", "avg", "min", "max", "prod")
 
 _DEBUG = os.environ.get("MPIDP_DEBUG", "0") == "1"
+_STAGE_CPU = _cuda.stage_cpu()  # testing aid: CPU tensors take the staging path too
 
 # torch dtype -> (MPI datatype name in preference order, carrier used when the
 # library lacks the type: same size, never reduced natively).
@@ -185,8 +191,8 @@ def _check_tensor(name: str, tensor) -> None:
     if tensor.dtype not in _DATATYPES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in _DATATYPES)
         raise TypeError(f"{name} has dtype {tensor.dtype}, supported dtypes are {supported}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got device {tensor.device}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(tensor.stride())} "
                          f"for shape {tuple(tensor.shape)}; call .contiguous() first")
@@ -238,22 +244,71 @@ def _torch_op(dtype: torch.dtype, name: str) -> MPI.Op:
 
 
 @functools.cache
-def _reduction(dtype: torch.dtype, name: str) -> MPI.Op:
-    """Return the MPI op that reduces ``dtype`` with ``name``: native if it probes right."""
+def _reduction(dtype: torch.dtype, name: str) -> tuple[MPI.Op, bool]:
+    """Return (the MPI op that reduces ``dtype`` with ``name``, whether it is the library's own)."""
     _, native = _datatype(dtype)
     if native:
         table = _NATIVE_BOOL_OPS if dtype == torch.bool else _NATIVE_OPS
         op = getattr(MPI, table[name])
         if _probe(op, dtype, name):
-            return op
-    return _torch_op(dtype, name)
+            return op, True
+    return _torch_op(dtype, name), False
 
 
 def reduction_path(dtype: torch.dtype, op: str = "sum") -> str:
     """Return "native" or "torch": how mpidp reduces ``dtype`` with ``op`` on this MPI library."""
     _check_op(op, dtype)
-    return "native" if _reduction(dtype, op) in (MPI.SUM, MPI.MIN, MPI.MAX, MPI.PROD,
-                                                 MPI.LOR, MPI.LAND) else "torch"
+    return "native" if _reduction(dtype, op)[1] else "torch"
+
+
+def _stage(inputs: tuple, outputs: tuple, host_only: bool = False):
+    """Make tensors safe to hand to MPI; return (mpi inputs, mpi outputs, copy back or None).
+
+    Device tensors: synchronise their current streams (the producers); then, unless
+    the library is CUDA-aware (and ``host_only`` is False, as for reductions that
+    torch computes on the host), stage them through pinned host copies. A tensor
+    that is both input and output (in place) gets one host copy.
+    """
+    tensors = inputs + outputs
+    on_device = [t for t in tensors if t.is_cuda]
+    if not on_device and not _STAGE_CPU:
+        return inputs, outputs, None
+    for device in {t.device for t in on_device}:
+        torch.cuda.current_stream(device).synchronize()
+    if on_device and _cuda.cuda_aware() and not host_only:
+        return inputs, outputs, None
+    pinned = torch.cuda.is_available()
+    copies: dict[int, torch.Tensor] = {}
+
+    def host_of(tensor, fill):
+        if id(tensor) not in copies:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            if fill:
+                copy.copy_(tensor)
+            copies[id(tensor)] = copy
+        return copies[id(tensor)]
+
+    host_inputs = tuple(host_of(t, True) for t in inputs)
+    host_outputs = tuple(host_of(t, False) for t in outputs)
+
+    def copy_back():
+        for tensor, copy in zip(outputs, host_outputs):
+            tensor.copy_(copy, non_blocking=pinned)
+
+    return host_inputs, host_outputs, copy_back
+
+
+def _chain(*steps):
+    steps = [step for step in steps if step is not None]
+    if not steps:
+        return None
+
+
+    def run():
+        for step in steps:
+            step()
+
+    return run
 
 
 def _check_op(op: str, dtype: torch.dtype) -> None:
@@ -292,9 +347,11 @@ def _allreduce(tensor, op, comm, nonblocking):
     comm = _collective_comm(comm)
     if _DEBUG:
         _check_same(comm, "allreduce", op=op, dtype=str(tensor.dtype), numel=tensor.numel())
-    args = (MPI.IN_PLACE, _buffer(tensor), _reduction(tensor.dtype, op))
-    return _start(comm, "Allreduce", args, (tensor,), tensor,
-                  _avg(tensor, op, comm.Get_size()), nonblocking)
+    reduction, native = _reduction(tensor.dtype, op)
+    (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
+    args = (MPI.IN_PLACE, _buffer(staged), reduction)
+    return _start(comm, "Allreduce", args, (tensor, staged), tensor,
+                  _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking)
 
 
 def allreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> torch.Tensor:
@@ -322,7 +379,9 @@ def _broadcast(tensor, root, comm, nonblocking):
     _check_root(root, comm)
     if _DEBUG:
         _check_same(comm, "broadcast", root=root, dtype=str(tensor.dtype), numel=tensor.numel())
-    return _start(comm, "Bcast", (_buffer(tensor), root), (tensor,), tensor, None, nonblocking)
+    (staged,), _, copy_back = _stage((tensor,), (tensor,))
+    return _start(comm, "Bcast", (_buffer(staged), root), (tensor, staged), tensor, copy_back,
+                  nonblocking)
 
 
 def _check_root(root, comm: MPI.Intracomm) -> None:
@@ -357,10 +416,11 @@ def _allgather(output, tensor, comm, nonblocking):
     _check_scaled("output", output, "tensor", tensor, comm.Get_size())
     if _DEBUG:
         _check_same(comm, "allgather", dtype=str(tensor.dtype), numel=tensor.numel())
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
     # mpi4py counts the receive buffer per rank, like the send buffer.
-    args = (_buffer(tensor), _buffer(output, tensor.numel()))
-    return _start(comm, "Allgather", args, (output, tensor),
-                  output, None, nonblocking)
+    args = (_buffer(sent), _buffer(received, tensor.numel()))
+    return _start(comm, "Allgather", args, (output, tensor, sent, received),
+                  output, copy_back, nonblocking)
 
 
 def allgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> torch.Tensor:
@@ -390,10 +450,12 @@ def _reduce_scatter(output, tensor, op, comm, nonblocking):
     _check_scaled("tensor", tensor, "output", output, comm.Get_size())
     if _DEBUG:
         _check_same(comm, "reduce_scatter", op=op, dtype=str(tensor.dtype), numel=tensor.numel())
+    reduction, native = _reduction(tensor.dtype, op)
+    (sent,), (received,), copy_back = _stage((tensor,), (output,), host_only=not native)
     # mpi4py counts the send buffer per block, like the receive buffer.
-    args = (_buffer(tensor, output.numel()), _buffer(output), _reduction(tensor.dtype, op))
-    return _start(comm, "Reduce_scatter_block", args, (output, tensor), output,
-                  _avg(output, op, comm.Get_size()), nonblocking)
+    args = (_buffer(sent, output.numel()), _buffer(received), reduction)
+    return _start(comm, "Reduce_scatter_block", args, (output, tensor, sent, received), output,
+                  _chain(_avg(received, op, comm.Get_size()), copy_back), nonblocking)
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", *,
@@ -450,7 +512,8 @@ def isend(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> Handle
     comm = _p2p_comm(comm)
     _check_peer("dest", dest, comm)
     _check_tag(tag)
-    return Handle(comm.Isend(_buffer(tensor), dest, tag), (tensor,), tensor)
+    (staged,), _, _ = _stage((tensor,), ())
+    return Handle(comm.Isend(_buffer(staged), dest, tag), (tensor, staged), tensor)
 
 
 class _Receive:
@@ -496,8 +559,9 @@ def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
         tag = MPI.ANY_TAG
     else:
         _check_tag(tag)
-    receive = _Receive(comm.Irecv(_buffer(tensor), source, tag), tensor)
-    return Handle(receive, (tensor,), tensor, receive.check_count), receive
+    _, (staged,), copy_back = _stage((), (tensor,))
+    receive = _Receive(comm.Irecv(_buffer(staged), source, tag), tensor)
+    return Handle(receive, (tensor, staged), tensor, _chain(receive.check_count, copy_back)), receive
 
 
 def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None, *,

@@ -132,7 +132,8 @@ class DistributedDataParallel(nn.Module):
         overlap: how bucket allreduces run beside the backward pass:
             "inline" (blocking, from the hook as soon as a bucket is ready),
             "thread" (a communication thread) or "nonblocking" (nonblocking
-            collectives polled from the hooks); see ``mpidp.overlap``.
+            collectives polled from the hooks); "auto" picks "inline" for CPU
+            models and "thread" for GPU models; see ``mpidp.overlap``.
         chunk_mb: largest single allreduce in MiB; bigger buckets are reduced
             in chunks of this size.
         inplace_threshold_mb: gradients of at least this many MiB skip the
@@ -145,7 +146,7 @@ class DistributedDataParallel(nn.Module):
                  bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
                  pool_size: int = 2, first_bucket_mb: float | None = None,
-                 predict_gradient_order: bool = True, overlap: str = "inline",
+                 predict_gradient_order: bool = True, overlap: str = "auto",
                  chunk_mb: float = 4, inplace_threshold_mb: float | None = 1):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -164,17 +165,20 @@ class DistributedDataParallel(nn.Module):
             _check_flag(name, value)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError(f"pool_size must be an int >= 1, got {pool_size!r}")
-        if overlap not in _overlap.STRATEGIES:
-            raise ValueError(f"overlap must be one of {', '.join(map(repr, _overlap.STRATEGIES))}, "
+        if overlap not in _overlap.NAMES:
+            raise ValueError(f"overlap must be one of {', '.join(map(repr, _overlap.NAMES))}, "
                              f"got {overlap!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("module has no parameter that requires grad; "
                              "DistributedDataParallel has nothing to synchronise")
-        for name, param in list(module.named_parameters()) + list(module.named_buffers()):
-            if param.device.type != "cpu":
-                raise ValueError(f"{name!r} is on {param.device}; this version of mpidp "
-                                 f"trains on CPU tensors only")
+        tensors = list(module.named_parameters()) + list(module.named_buffers())
+        device = tensors[0][1].device
+        for name, tensor in tensors:
+            if tensor.device != device or device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{name!r} is on {tensor.device} but {tensors[0][0]!r} is on "
+                                 f"{device}; DistributedDataParallel needs the whole module on "
+                                 f"one device, the CPU or one GPU per rank")
         if first_bucket_mb is None:
             first_bucket_mb = min(_FIRST_BUCKET_MB, bucket_cap_mb)
 

@@ -90,12 +90,19 @@ class Blocking(_Strategy):
 
 
 class Threaded(_Strategy):
-    """A communication thread runs blocking collectives on ready buckets, in order."""
+    """A communication thread runs blocking collectives on ready buckets, in order.
+
+    For CUDA buffers the thread works on a side stream that first waits for an
+    event recorded on the producing stream when the bucket was handed over, so
+    the training stream goes on queueing the backward pass meanwhile; ``finish``
+    makes the training stream wait for the side stream.
+    """
 
     def __init__(self, pool, chunk_bytes):
         super().__init__(pool, chunk_bytes)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._thread = threading.Thread(target=self._run, name="mpidp-comm", daemon=True)
         self._thread.start()
 
@@ -103,19 +110,37 @@ class Threaded(_Strategy):
         while (item := self._queue.get()) is not None:
             try:
                 if self._error is None:
-                    for piece in self._pieces(*item):
-                        _comm.allreduce(piece, "sum", comm=self.pool)
+                    self._reduce(*item)
             except BaseException as error:  # re-raised on the training thread
                 self._error = error
             finally:
                 self._queue.task_done()
         self._queue.task_done()
 
+    def _reduce(self, buffer: torch.Tensor, divisor: int, ready) -> None:
+        if ready is None:
+            for piece in self._pieces(buffer, divisor):
+                _comm.allreduce(piece, "sum", comm=self.pool)
+            return
+        stream = self._streams[buffer.device]
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for piece in self._pieces(buffer, divisor):
+                _comm.allreduce(piece, "sum", comm=self.pool)  # syncs `stream` first
+
     def start(self, buffer: torch.Tensor, divisor: int = 1) -> None:
-        self._queue.put((buffer, divisor))
+        ready = None
+        if buffer.device.type == "cuda":
+            if buffer.device not in self._streams:
+                self._streams[buffer.device] = torch.cuda.Stream(buffer.device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buffer.device))
+        self._queue.put((buffer, divisor, ready))
 
     def finish(self) -> None:
         self._queue.join()
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"mpidp communication thread failed: {error}") from error
@@ -127,10 +152,18 @@ class Threaded(_Strategy):
 
 
 STRATEGIES = {"inline": Blocking, "thread": Threaded, "nonblocking": Nonblocking}
+NAMES = ("auto", *STRATEGIES)
 
 
-def make(name: str, pool: _comm.Pool, chunk_bytes: int) -> _Strategy:
-    """Build the overlap strategy called ``name`` (see the module's table)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"overlap must be one of {', '.join(map(repr, STRATEGIES))}, got {name!r}")
-    return STRATEGIES[name](pool, chunk_bytes)
+def resolve(name: str, device: torch.device) -> str:
+    """``auto``: "inline" for CPU training (measured), "thread" for GPUs (the CPU is free)."""
+    if name not in NAMES:
+        raise ValueError(f"overlap must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
+    if name == "auto":
+        return "thread" if device.type == "cuda" else "inline"
+    return name
+
+
+def make(name: str, pool: _comm.Pool, chunk_bytes: int, device: torch.device) -> _Strategy:
+    """Build the overlap strategy called ``name`` (see the module's table) for ``device``."""
+    return STRATEGIES[resolve(name, device)](pool, chunk_bytes)

@@ -69,7 +69,7 @@ class Reducer:
         find_unused_parameters: search the graph after each synced forward.
         gradient_as_bucket_view: leave ``.grad`` as a view into the bucket.
         predict_order: rebuild the buckets once, in rank 0's observed gradient order.
-        overlap: "inline", "thread" or "nonblocking" (see ``mpidp.overlap``).
+        overlap: "auto", "inline", "thread" or "nonblocking" (see ``mpidp.overlap``).
         chunk_bytes: largest single allreduce; bigger buckets go in chunks.
         solo_bytes: gradients at least this big skip the buckets and are
             reduced in place (None: never).
@@ -78,13 +78,13 @@ class Reducer:
     def __init__(self, named_params, pool: _comm.Pool, control, *, bucket_cap_bytes: int,
                  first_bucket_bytes: int, find_unused_parameters: bool,
                  gradient_as_bucket_view: bool, predict_order: bool = True,
-                 overlap: str = "inline", chunk_bytes: int = 4 << 20,
+                 overlap: str = "auto", chunk_bytes: int = 4 << 20,
                  solo_bytes: int | None = None):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.control = control
         self.world = pool.size
-        self.strategy = _overlap.make(overlap, pool, chunk_bytes)
+        self.strategy = _overlap.make(overlap, pool, chunk_bytes, self.params[0].device)
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self._caps = (bucket_cap_bytes, first_bucket_bytes)

@@ -47,7 +47,8 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
     return result
 
 
-def run_pytest(nprocs: int, path: str, timeout: float, *extra: str) -> subprocess.CompletedProcess:
+def run_pytest(nprocs: int, path: str, timeout: float, *extra: str,
+               env: dict | None = None) -> subprocess.CompletedProcess:
     """Run one MPI test file with pytest on every rank."""
     return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", path, *extra],
-               timeout)
+               timeout, env=env)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import launch
 
@@ -16,13 +17,23 @@ MPI_FILES = [
     ("tests/mpi/check_ddp.py", [1, 2, 3, 4]),
     ("tests/mpi/check_gloo.py", [2, 3]),
     ("tests/mpi/check_errors.py", [2, 3]),
+    ("tests/mpi/check_gpu.py", [2]),
 ]
 
 
 @pytest.mark.parametrize("path,nprocs", [(path, n) for path, sizes in MPI_FILES for n in sizes],
                          ids=lambda value: str(value).removeprefix("tests/mpi/"))
 def test_mpi_file(path, nprocs):
+    if "gpu" in path and not torch.cuda.is_available() and os.environ.get("MPIDP_TEST_GPU") != "1":
+        pytest.skip("no GPU (MPIDP_TEST_GPU=1 turns this into a failure)")
     launch.run_pytest(nprocs, path, timeout=300)
+
+
+@pytest.mark.parametrize("path", ["tests/mpi/check_comm.py", "tests/mpi/check_ddp.py"],
+                         ids=lambda value: value.removeprefix("tests/mpi/"))
+def test_host_staging_path(path):
+    """The staging used for device memory without CUDA-aware MPI, exercised on CPU tensors."""
+    launch.run_pytest(2, path, timeout=300, env={"MPIDP_STAGE_CPU": "1"})
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

@@ -79,7 +79,7 @@ def test_bucket_assignment_rejects_bad_caps():
     (dict(pool_size=0), ValueError, "pool_size must be an int >= 1, got 0"),
     (dict(comm="world"), TypeError, "comm must be None or an mpi4py Intracomm, got str"),
     (dict(overlap="mpi"), ValueError,
-     "overlap must be one of 'inline', 'thread', 'nonblocking', got 'mpi'"),
+     "overlap must be one of 'auto', 'inline', 'thread', 'nonblocking', got 'mpi'"),
     (dict(chunk_mb=0), ValueError, "chunk_mb must be a number > 0, got 0"),
     (dict(inplace_threshold_mb=-1), ValueError, "inplace_threshold_mb must be a number > 0, got -1"),
 ])

@@ -1,0 +1,135 @@
+"""Device memory and MPI: can the library read it, and staging through host memory if not.
+
+The decision is made once, at import, and is the same on every rank:
+
+1. ``MPIDP_CUDA_AWARE=0`` or ``=1`` overrides everything;
+2. without a GPU visible to torch, communication is host-only;
+3. otherwise the library is asked (MPICH's ``MPIX_GPU_query_support``, Open
+   MPI's ``MPIX_Query_cuda_support``, Cray MPICH's ``MPICH_GPU_SUPPORT_ENABLED``);
+   a library that says no, or says nothing, gets host staging: handing device
+   pointers to a library that cannot read them would crash the job;
+4. a library that says yes is checked by a small device allreduce against the
+   expected sum, and every rank must pass (an allreduce of the verdicts).
+
+``MPIDP_STAGE_CPU=1`` sends CPU tensors through the staging path too; the test
+suite uses it to exercise staging where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+
+import torch
+from mpi4py import MPI
+
+__all__ = ["Decision", "decide", "library_reports_cuda", "decision", "cuda_aware", "local_device"]
+
+_MPIX_GPU_SUPPORT_CUDA = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether device buffers go to MPI directly, and why."""
+
+    cuda_aware: bool
+    reason: str
+
+
+def library_reports_cuda() -> bool | None:
+    """Ask the loaded MPI library whether it supports CUDA buffers (None: it does not say)."""
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
+        return True
+    try:
+        library = ctypes.CDLL(MPI.__file__)
+    except OSError:
+        return None
+    query = getattr(library, "MPIX_GPU_query_support", None)
+    if query is not None:
+        supported = ctypes.c_int(0)
+        if query(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(supported)) == 0:
+            return bool(supported.value)
+    query = getattr(library, "MPIX_Query_cuda_support", None)
+    if query is not None:
+        return bool(query())
+    return None
+
+
+def decide(override: str | None, has_gpu: bool, reported: bool | None, probe) -> Decision:
+    """Combine the override, the hardware, the library's word and the probe (called last).
+
+    Args:
+        override: ``MPIDP_CUDA_AWARE`` ("0", "1" or None).
+        has_gpu: whether torch sees a GPU.
+        reported: ``library_reports_cuda()``.
+        probe: a callable returning True if a device allreduce gave the right answer
+            on every rank; only called when the library says it supports CUDA.
+    """
+    if override is not None:
+        if override not in ("0", "1"):
+            raise ValueError(f"MPIDP_CUDA_AWARE must be 0 or 1, got {override!r}")
+        return Decision(override == "1", f"MPIDP_CUDA_AWARE={override}")
+    if not has_gpu:
+        return Decision(False, "no GPU visible to torch")
+    if reported is None:
+        return Decision(False, "the MPI library does not say whether it is CUDA-aware; host "
+                               "staging (set MPIDP_CUDA_AWARE=1 to hand it device memory)")
+    if not reported:
+        return Decision(False, "the MPI library reports no CUDA support; host staging")
+    if probe():
+        return Decision(True, "the MPI library reports CUDA support and a device allreduce "
+                              "checked out on every rank")
+    return Decision(False, "the MPI library reports CUDA support but a device allreduce gave "
+                           "a wrong answer; host staging")
+
+
+def local_device() -> torch.device:
+    """This rank's GPU: the one of its local rank (modulo the GPUs on the node)."""
+    from . import runtime
+    return torch.device("cuda", runtime.local_rank() % torch.cuda.device_count())
+
+
+def _probe() -> bool:
+    comm = MPI.COMM_WORLD
+    device = local_device()
+    tensor = torch.full((4,), float(comm.Get_rank() + 1), device=device)
+    torch.cuda.synchronize(device)
+    try:
+        comm.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes),
+                                      tensor.numel(), MPI.FLOAT])
+        expected = comm.Get_size() * (comm.Get_size() + 1) / 2
+        ok = bool(torch.all(tensor == expected).item())
+    except MPI.Exception:
+        ok = False
+    return bool(comm.allreduce(int(ok), op=MPI.MIN))
+
+
+@functools.cache
+def decision() -> Decision:
+    """The start-up decision (collective on ``MPI.COMM_WORLD`` when a GPU is visible)."""
+    has_gpu = torch.cuda.is_available()
+    result = decide(os.environ.get("MPIDP_CUDA_AWARE"), has_gpu,
+                    library_reports_cuda() if has_gpu else None, _probe)
+    if has_gpu:  # every rank must agree, whatever each one saw
+        agreed = MPI.COMM_WORLD.allreduce(int(result.cuda_aware), op=MPI.MIN)
+        if bool(agreed) != result.cuda_aware:
+            result = Decision(False, "ranks disagreed about CUDA support; host staging everywhere")
+    return result
+
+
+def cuda_aware() -> bool:
+    """Whether device buffers are handed to MPI directly."""
+    return decision().cuda_aware
+
+
+def stage_cpu() -> bool:
+    """Testing aid: route CPU tensors through the staging path (``MPIDP_STAGE_CPU=1``)."""
+    return os.environ.get("MPIDP_STAGE_CPU") == "1"
+
+
+def _start_up() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_device())  # each rank uses the GPU of its local rank
+        decision()

@@ -1,0 +1,35 @@
+"""The CUDA-aware decision, branch by branch, and what this machine's MPI reports."""
+
+import pytest
+
+import mpidp
+from mpidp.cuda import Decision, decide, library_reports_cuda
+
+
+def never(): raise AssertionError("the probe must not run here")  # noqa: E704
+
+
+def test_override_wins_and_is_validated():
+    assert decide("1", False, None, never) == Decision(True, "MPIDP_CUDA_AWARE=1")
+    assert decide("0", True, True, never) == Decision(False, "MPIDP_CUDA_AWARE=0")
+    with pytest.raises(ValueError, match="MPIDP_CUDA_AWARE must be 0 or 1, got 'yes'"):
+        decide("yes", True, True, never)
+
+
+def test_no_gpu_or_no_word_from_the_library_means_host_staging_without_probing():
+    assert decide(None, False, True, never).cuda_aware is False
+    assert "does not say" in decide(None, True, None, never).reason
+    assert "reports no CUDA support" in decide(None, True, False, never).reason
+
+
+def test_a_library_that_claims_support_must_pass_the_probe():
+    assert decide(None, True, True, lambda: True).cuda_aware is True
+    failed = decide(None, True, True, lambda: False)
+    assert failed.cuda_aware is False and "wrong answer" in failed.reason
+
+
+def test_this_machine():
+    assert library_reports_cuda() is False  # the mpich wheel is built without CUDA
+    if not mpidp.cuda.decision().cuda_aware:
+        assert mpidp.cuda.decision().reason in ("no GPU visible to torch",
+                                                "the MPI library reports no CUDA support; host staging")
