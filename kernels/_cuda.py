@@ -36,6 +36,21 @@ def instantiations() -> list[str]:
     return [f"MPIDP_INSTANTIATE({CUDA_TYPES[a]}, {CUDA_TYPES[b]})" for a, b in PAIRS]
 
 
+def names() -> list[str]:
+    """Every kernel the module exports, as CuPy name expressions."""
+    return [kernel_name(kind, a, b) for kind in ("pack", "unpack") for a, b in PAIRS]
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC options: C++17, and the CUDA headers (cuda_fp16.h, cuda_bf16.h) CuPy knows of."""
+    import cupy
+    options = ["-std=c++17"]
+    cuda_path = cupy.cuda.get_cuda_path()
+    if cuda_path and Path(cuda_path, "include", "cuda_fp16.h").exists():
+        options.append(f"-I{Path(cuda_path, 'include')}")
+    return tuple(options)
+
+
 @functools.cache
 def _module():
     try:
@@ -43,8 +58,7 @@ def _module():
     except ImportError as err:
         raise ImportError("packing CUDA tensors needs CuPy: pip install 'mpidp[cuda]' "
                           "(or the cupy-cudaXXx wheel for your CUDA)") from err
-    names = [kernel_name(kind, a, b) for kind in ("pack", "unpack") for a, b in PAIRS]
-    return cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+    return cupy.RawModule(code=SOURCE.read_text(), options=compile_options(), name_expressions=names())
 
 
 @functools.lru_cache(maxsize=256)

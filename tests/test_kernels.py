@@ -129,3 +129,22 @@ def test_every_cu_file_compiles_with_nvcc(tmp_path):
         assert result.returncode == 0, result.stderr
         ptx = (tmp_path / f"{source.stem}.ptx").read_text()
         assert ptx.count(".entry") == 2 * len(_cuda.PAIRS)  # every pack and unpack instantiated
+
+
+def test_nvrtc_compiles_every_instantiation_as_cupy_will():
+    """The compile CuPy's RawModule runs (NVRTC, same options and name expressions); no GPU needed."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nvrtc
+    try:
+        nvrtc.getVersion()
+    except Exception as err:  # CuPy without the NVRTC library
+        pytest.skip(f"NVRTC unavailable: {err}")
+    program = nvrtc.createProgram(_cuda.SOURCE.read_text(), "pack.cu", [], [])
+    for name in _cuda.names():
+        nvrtc.addNameExpression(program, name)
+    try:
+        nvrtc.compileProgram(program, [*_cuda.compile_options(), "-arch=compute_90"])
+    except Exception:
+        pytest.fail(nvrtc.getProgramLog(program))
+    lowered = [nvrtc.getLoweredName(program, name) for name in _cuda.names()]
+    assert len(set(lowered)) == 2 * len(_cuda.PAIRS)
