@@ -17,6 +17,9 @@ alike. A step's time is the slowest rank's. Modes:
   ``buffers`` (0/1: broadcast_buffers).
 
 With ``--memory`` a single mode runs and the peak resident memory is reported.
+With ``--device cuda`` every rank trains on the GPU of its local rank (2 ranks
+may share one GPU: mpidp then stages through host memory unless MPI is
+CUDA-aware; torch DDP runs over gloo, as NCCL refuses two ranks on one GPU).
 Rank 0 appends one JSON object per mode to ``--out``.
 """
 
@@ -61,10 +64,16 @@ def parse_mode(spec: str) -> tuple[str, dict]:
 class Runner:
     """One mode: a model copy, its optimizer, and a step that reports its phases."""
 
-    def __init__(self, spec, model_name):
+    def __init__(self, spec, model_name, device):
         self.spec = spec
         self.name, self.settings = parse_mode(spec)
-        model, self.batches, self.loss = build(model_name, COMM.rank)
+        self.device = device
+        if device.type == "cuda" and self.name in ("naive", "flat"):
+            raise ValueError(f"mode {self.name!r} reduces numpy views of CPU gradients; on CUDA "
+                             f"compare local, ddp-gloo and mpidp")
+        model, batches, self.loss = build(model_name, COMM.rank)
+        model = model.to(device)
+        self.batches = [(x.to(device), y.to(device)) for x, y in batches]
         self.wait = 0.0
         self.first_launch = None
         self.model = self.wrap(model)
@@ -76,7 +85,8 @@ class Runner:
         if self.name in ("local", "naive", "flat"):
             return model
         if self.name == "ddp-gloo":
-            return nn.parallel.DistributedDataParallel(model)
+            return nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device] if self.device.type == "cuda" else None)
         if self.name != "mpidp":
             raise ValueError(f"unknown mode {self.spec!r}")
         options = dict(gradient_as_bucket_view=bool(self.settings.get("view", 0)),
@@ -142,6 +152,8 @@ class Runner:
         self.allreduce_grads()
         marks.append(time.perf_counter())
         self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         marks.append(time.perf_counter())
         forward, backward, comm, optimizer = (b - a for a, b in zip(marks, marks[1:]))
         if self.name == "mpidp":  # the end-of-backward wait is inside backward()
@@ -176,7 +188,7 @@ def summarize(spec, model_name, records, runner):
 
 
 def final_parameters(runner):
-    return torch.cat([p.detach().reshape(-1) for p in runner.module.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in runner.module.parameters()]).cpu()
 
 
 def main():
@@ -186,16 +198,18 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    device = mpidp.cuda.local_device() if args.device == "cuda" else torch.device("cpu")
     specs = args.modes
     if any(parse_mode(s)[0] == "ddp-gloo" for s in specs):
         init_gloo()
     if args.memory:
         (spec,) = specs
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        runner = Runner(spec, args.model)
+        runner = Runner(spec, args.model, device)
         timed(runner, args.warmup + args.steps)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peaks = COMM.gather((baseline / 1024, peak / 1024))
@@ -206,7 +220,7 @@ def main():
             with open(args.out, "a") as out:
                 out.write(json.dumps(record) + "\n")
         return
-    runners = [Runner(spec, args.model) for spec in specs]
+    runners = [Runner(spec, args.model, device) for spec in specs]
     records = {spec: [] for spec in specs}
     for runner in runners:
         timed(runner, args.warmup)
