@@ -17,7 +17,22 @@ import traceback
 
 from mpi4py import MPI
 
-__all__ = ["rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception"]
+__all__ = ["rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
+           "require_mpi", "thread_level"]
+
+
+def require_mpi() -> None:
+    """Make sure MPI is initialised in this process; every mpidp entry point that talks MPI calls it.
+
+    (Placeholder: MPI is initialised when mpi4py is imported. Issue 8, item 12
+    makes this the one place MPI starts, and refuses in a multiprocessing child.)
+    """
+
+
+def thread_level() -> int:
+    """The thread level the MPI library granted (``MPI.THREAD_SINGLE`` ... ``MPI.THREAD_MULTIPLE``)."""
+    require_mpi()
+    return MPI.Query_thread()
 
 
 def rank() -> int:
