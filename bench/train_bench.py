@@ -105,14 +105,14 @@ class Runner:
         wrapped = mpidp.DistributedDataParallel(model, **options)
         if not self.settings.get("poll", 1):
             wrapped.reducer.strategy.poll = lambda: None
-        finalize = wrapped.reducer._finalize
+        finish = wrapped.reducer._finish
 
-        def timed_finalize():
+        def timed_finish(*args):
             start = time.perf_counter()
-            finalize()
+            finish(*args)
             self.wait = time.perf_counter() - start
 
-        wrapped.reducer._finalize = timed_finalize
+        wrapped.reducer._finish = timed_finish
         start = wrapped.reducer.strategy.start
 
         def timed_start(*args):

@@ -73,7 +73,7 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
 
 
 class Bucket:
-    """A flat gradient buffer shared by several parameters, and its progress in one step.
+    """A flat gradient buffer shared by several parameters.
 
     A ``solo`` bucket holds one parameter and no buffer of its own: its
     gradient is reduced in place, and ``buffer`` is set each step to the
@@ -88,7 +88,6 @@ class Bucket:
         if solo and len(params) != 1:
             raise ValueError(f"a solo bucket holds one parameter, got {len(params)}")
         self.solo = solo
-        self.pending = len(params)
         self.divisor = 1  # what the strategy still divides the buffer by
         self.spare: torch.Tensor | None = None
         if solo:
@@ -102,7 +101,3 @@ class Bucket:
         for p in params:
             self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
-
-    def reset(self) -> None:
-        """Forget the last step: every parameter pending again."""
-        self.pending = len(self.views)

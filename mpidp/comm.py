@@ -20,10 +20,17 @@ libraries), mpidp reduces with a user-defined MPI op computed by torch. Which
 path is used is decided once per (dtype, op) by a local probe
 (``MPI_Reduce_local`` checked against torch), so it is the same on every rank.
 
-Set ``MPIDP_DEBUG=1`` to have every collective first check, across ranks, that
-all ranks called the same operation with the same dtype and element count; a
-mismatch raises the same ``ValueError`` on every rank instead of hanging or
-corrupting memory.
+Arguments are checked before anything collective happens (taking a pool
+member included), so a rank that catches an argument error stays in step with
+the others. Point-to-point messages to oneself are refused, as in
+torch.distributed: MPI_Send to one's own rank blocks once the message outgrows
+the library's eager buffer.
+
+Set ``MPIDP_DEBUG=1`` (or true/yes/on) to have every collective first check, on
+the communicator it is about to use, that all ranks made the same call: the
+same collective (blocking or not), op, root, dtype and element count. A
+mismatch raises the same ``ValueError`` on every rank, naming each rank's call,
+instead of hanging or corrupting memory.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import os
 import torch
 from mpi4py import MPI
 
+from . import _env
 from . import cuda as _cuda
+from . import runtime as _runtime
 
 __all__ = [
     "OPS", "Handle", "Pool", "default_pool",
@@ -45,7 +54,13 @@ __all__ = [
 
 OPS = ("sum", "avg", "min", "max", "prod")
 
-_DEBUG = os.environ.get("MPIDP_DEBUG", "0") == "1"
+
+def _debug_from_env() -> bool:
+    return _env.flag("MPIDP_DEBUG", False)
+
+
+# Read once at import; tests switch it by setting the attribute.
+_DEBUG = _debug_from_env()
 _STAGE_CPU = _cuda.stage_cpu()  # testing aid: CPU tensors take the staging path too
 
 # torch dtype -> (MPI datatype name in preference order, carrier used when the
@@ -125,6 +140,7 @@ class Pool:
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, size: int = 2):
+        _runtime.require_mpi()
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"pool size must be an int >= 1, got {size!r}")
         base = MPI.COMM_WORLD if comm is None else comm
@@ -161,10 +177,36 @@ def default_pool() -> Pool:
     Its size comes from ``MPIDP_POOL_SIZE`` (default 2). Created on first use,
     which is collective.
     """
-    return Pool(MPI.COMM_WORLD, int(os.environ.get("MPIDP_POOL_SIZE", "2")))
+    _runtime.require_mpi()
+    return Pool(MPI.COMM_WORLD, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1, integer=True)))
+
+
+# A forked child must not reuse the parent's cached pool: forgetting it makes
+# the child's first collective go through require_mpi(), which refuses there.
+os.register_at_fork(after_in_child=default_pool.cache_clear)
+
+
+def _base(comm) -> MPI.Intracomm:
+    """The communicator ``comm`` stands for, to check ranks and sizes against.
+
+    Takes no pool member and creates no default pool: an argument error found
+    with it leaves this rank in step with the others.
+    """
+    if comm is None:
+        _runtime.require_mpi()
+        return MPI.COMM_WORLD
+    if isinstance(comm, Pool):
+        if not comm.comms:
+            raise ValueError("comm is a Pool that has been freed")
+        return comm.comms[0]
+    if isinstance(comm, MPI.Intracomm):
+        return comm
+    raise TypeError(f"comm must be None, an mpidp.comm.Pool or an mpi4py Intracomm, "
+                    f"got {type(comm).__name__}")
 
 
 def _collective_comm(comm) -> MPI.Intracomm:
+    """Take the communicator a collective runs on; call it only once every argument is checked."""
     if comm is None:
         return default_pool().next()
     if isinstance(comm, Pool):
@@ -182,7 +224,7 @@ def _p2p_comm(comm) -> MPI.Intracomm:
         return default_pool().comms[0]
     if isinstance(comm, Pool):
         return comm.comms[0]
-    return _collective_comm(comm)
+    return comm
 
 
 def _check_tensor(name: str, tensor) -> None:
@@ -318,13 +360,40 @@ def _check_op(op: str, dtype: torch.dtype) -> None:
         raise TypeError(f"op 'avg' needs a floating-point dtype, got {dtype}")
 
 
-def _check_same(comm: MPI.Intracomm, what: str, **fields) -> None:
-    """Debug mode: every rank called ``what`` with the same fields, else all raise."""
-    signatures = comm.allgather(fields)
-    for other, theirs in enumerate(signatures):
-        if theirs != signatures[0]:
-            raise ValueError(f"{what}: rank {other} passed {theirs} but rank 0 passed "
-                             f"{signatures[0]}; every rank must pass the same")
+def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields) -> None:
+    """Debug mode: check that every rank is making this call on ``comm``, else all raise.
+
+    Runs on the communicator the collective is about to use, before anything
+    else, so ranks that called different collectives still meet in this
+    allgather and reach the same decision.
+    """
+    args = ", ".join(f"{key}={value}" for key, value in fields.items())
+    calls = comm.allgather(f"{'i' if nonblocking else ''}{name}({args})")
+    if calls.count(calls[0]) == len(calls):
+        return
+    ranks_of: dict[str, list[int]] = {}
+    for rank, call in enumerate(calls):
+        ranks_of.setdefault(call, []).append(rank)
+    made = "; ".join(f"{_ranks(ranks)} called {call}" for call, ranks in ranks_of.items())
+    raise ValueError(f"collective calls differ across ranks: {made}; every rank must make the "
+                     f"same collective calls, with the same op, root, dtype and element count, "
+                     f"in the same order")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """Name sorted ranks, folding consecutive runs: 'rank 3', 'ranks 0-2, 5'."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocking: bool):
@@ -346,7 +415,8 @@ def _allreduce(tensor, op, comm, nonblocking):
     _check_op(op, tensor.dtype)
     comm = _collective_comm(comm)
     if _DEBUG:
-        _check_same(comm, "allreduce", op=op, dtype=str(tensor.dtype), numel=tensor.numel())
+        _check_same_call(comm, "allreduce", nonblocking, op=repr(op),
+                         dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     reduction, native = _reduction(tensor.dtype, op)
     (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
     args = (MPI.IN_PLACE, _buffer(staged), reduction)
@@ -375,10 +445,11 @@ def iallreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> Handle:
 
 def _broadcast(tensor, root, comm, nonblocking):
     _check_tensor("tensor", tensor)
+    _check_root(root, _base(comm))
     comm = _collective_comm(comm)
-    _check_root(root, comm)
     if _DEBUG:
-        _check_same(comm, "broadcast", root=root, dtype=str(tensor.dtype), numel=tensor.numel())
+        _check_same_call(comm, "broadcast", nonblocking, root=root,
+                         dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     (staged,), _, copy_back = _stage((tensor,), (tensor,))
     return _start(comm, "Bcast", (_buffer(staged), root), (tensor, staged), tensor, copy_back,
                   nonblocking)
@@ -412,10 +483,11 @@ def _check_scaled(big_name, big, small_name, small, size: int) -> None:
 def _allgather(output, tensor, comm, nonblocking):
     _check_tensor("output", output)
     _check_tensor("tensor", tensor)
+    _check_scaled("output", output, "tensor", tensor, _base(comm).Get_size())
     comm = _collective_comm(comm)
-    _check_scaled("output", output, "tensor", tensor, comm.Get_size())
     if _DEBUG:
-        _check_same(comm, "allgather", dtype=str(tensor.dtype), numel=tensor.numel())
+        _check_same_call(comm, "allgather", nonblocking,
+                         dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     # mpi4py counts the receive buffer per rank, like the send buffer.
     args = (_buffer(sent), _buffer(received, tensor.numel()))
@@ -446,10 +518,11 @@ def _reduce_scatter(output, tensor, op, comm, nonblocking):
     _check_tensor("output", output)
     _check_tensor("tensor", tensor)
     _check_op(op, tensor.dtype)
+    _check_scaled("tensor", tensor, "output", output, _base(comm).Get_size())
     comm = _collective_comm(comm)
-    _check_scaled("tensor", tensor, "output", output, comm.Get_size())
     if _DEBUG:
-        _check_same(comm, "reduce_scatter", op=op, dtype=str(tensor.dtype), numel=tensor.numel())
+        _check_same_call(comm, "reduce_scatter", nonblocking, op=repr(op),
+                         dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     reduction, native = _reduction(tensor.dtype, op)
     (sent,), (received,), copy_back = _stage((tensor,), (output,), host_only=not native)
     # mpi4py counts the send buffer per block, like the receive buffer.
@@ -480,20 +553,31 @@ def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum",
     return _reduce_scatter(output, tensor, op, comm, True)
 
 
+def _barrier_comm(comm, nonblocking: bool) -> MPI.Intracomm:
+    comm = _collective_comm(comm)
+    if _DEBUG:
+        _check_same_call(comm, "barrier", nonblocking)
+    return comm
+
+
 def barrier(*, comm=None) -> None:
     """Block until every rank of ``comm`` has entered the barrier."""
-    _collective_comm(comm).Barrier()
+    _barrier_comm(comm, False).Barrier()
 
 
 def ibarrier(*, comm=None) -> Handle:
     """Start a barrier without blocking."""
-    return Handle(_collective_comm(comm).Ibarrier(), (), None)
+    return Handle(_barrier_comm(comm, True).Ibarrier(), (), None)
 
 
 def _check_peer(name: str, peer, comm: MPI.Intracomm) -> None:
     if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < comm.Get_size():
         raise ValueError(f"invalid {name} {peer!r}, {name} should be in the interval "
                          f"[0, {comm.Get_size() - 1}]")
+    if peer == comm.Get_rank():
+        raise ValueError(f"invalid {name} {peer}, {name} should be another rank than this "
+                         f"process's own: mpidp refuses messages to oneself (MPI's send to self "
+                         f"blocks once the message outgrows the library's eager buffer)")
 
 
 def _check_tag(tag) -> None:
@@ -502,16 +586,16 @@ def _check_tag(tag) -> None:
 
 
 def send(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> None:
-    """Send ``tensor`` to rank ``dest``, blocking until the buffer may be reused."""
+    """Send ``tensor`` to rank ``dest`` (not this rank), blocking until the buffer may be reused."""
     isend(tensor, dest, tag, comm=comm).wait()
 
 
 def isend(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> Handle:
     """Start sending ``tensor`` to rank ``dest``; the handle keeps ``tensor`` alive."""
     _check_tensor("tensor", tensor)
-    comm = _p2p_comm(comm)
-    _check_peer("dest", dest, comm)
+    _check_peer("dest", dest, _base(comm))
     _check_tag(tag)
+    comm = _p2p_comm(comm)
     (staged,), _, _ = _stage((tensor,), ())
     return Handle(comm.Isend(_buffer(staged), dest, tag), (tensor, staged), tensor)
 
@@ -550,15 +634,17 @@ class _Receive:
 
 def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
     _check_tensor("tensor", tensor)
-    comm = _p2p_comm(comm)
-    if source is None:
-        source = MPI.ANY_SOURCE
-    else:
-        _check_peer("source", source, comm)
-    if tag is None:
-        tag = MPI.ANY_TAG
-    else:
+    base = _base(comm)
+    if source is not None:
+        _check_peer("source", source, base)
+    elif base.Get_size() == 1:
+        raise ValueError("recv from any source (source=None) needs another rank, but comm has "
+                         "1 rank and mpidp refuses messages to oneself")
+    if tag is not None:
         _check_tag(tag)
+    comm = _p2p_comm(comm)
+    source = MPI.ANY_SOURCE if source is None else source
+    tag = MPI.ANY_TAG if tag is None else tag
     _, (staged,), copy_back = _stage((), (tensor,))
     receive = _Receive(comm.Irecv(_buffer(staged), source, tag), tensor)
     return Handle(receive, (tensor, staged), tensor, _chain(receive.check_count, copy_back)), receive
@@ -570,7 +656,7 @@ def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None
 
     Args:
         tensor: contiguous CPU tensor; the message must have exactly its size.
-        source: rank to receive from, or None for any.
+        source: rank to receive from (not this rank), or None for any other.
         tag: message tag, or None for any.
         comm: None, a ``Pool`` or an mpi4py communicator.
 

@@ -8,10 +8,11 @@ from numbers import Real
 import torch
 from mpi4py import MPI
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from . import comm as _comm
 from . import overlap as _overlap
-from . import topology
+from . import runtime, topology
 from .kernels import pack, unpack
 from .reducer import Reducer
 
@@ -100,28 +101,76 @@ def first_mismatch(signatures: list[list[tuple]]) -> str | None:
     return None
 
 
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+def _check_flag(name: str, value, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+
+
+def _base_comm(comm, process_group) -> MPI.Intracomm:
+    if comm is not None and process_group is not None:
+        raise ValueError("pass the communicator as comm or as process_group, not both")
+    base = comm if comm is not None else process_group
+    if base is None:
+        return MPI.COMM_WORLD
+    name = "comm" if comm is not None else "process_group"
+    if not isinstance(base, MPI.Intracomm):
+        raise TypeError(f"{name} must be None or an mpi4py Intracomm, got {type(base).__name__}; "
+                        f"mpidp communicates through MPI, not through a torch.distributed "
+                        f"process group")
+    return base
+
+
+def _sparse_names(module: nn.Module) -> set[str]:
+    """Names of the parameters whose gradients are sparse, found as torch's DDP finds them."""
+    found = set()
+    for prefix, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
+            found.update(f"{prefix}.{name}" if prefix else name
+                         for name, _ in child.named_parameters(recurse=False))
+    return found
 
 
 class DistributedDataParallel(nn.Module):
     """Data parallelism over MPI: wrap a model, train on each rank's shard of the data.
 
-    The interface is torch's ``DistributedDataParallel``: construct once per
-    rank after building the model, call it like the model, and after
-    ``loss.backward()`` every ``param.grad`` holds the average over all ranks,
-    so any optimizer works unchanged.
+    The interface is torch's ``DistributedDataParallel`` (torch 2.13's arguments,
+    in its order): construct once per rank after building the model, call it
+    like the model, and after ``loss.backward()`` every ``param.grad`` holds the
+    average over all ranks, so any optimizer works unchanged. Construction,
+    ``close()`` and conversions through the wrapper (``ddp.to(...)``,
+    ``ddp.double()``) are collective.
 
-    Args:
+    Torch's arguments:
         module: the model; identical on every rank (names, shapes, dtypes are checked).
-        comm: the mpi4py communicator to train over (default ``MPI.COMM_WORLD``).
-        bucket_cap_mb: gradient bucket capacity in MiB (> 0).
+        device_ids: None, or ``[d]`` with ``d`` the GPU the module is on (then
+            inputs are moved to it, as torch does); must be None for CPU modules.
+        output_device: None or the module's GPU (outputs stay where the module puts them).
+        dim: accepted for compatibility; a single-device module never scatters.
+        broadcast_buffers: torch's older switch: False stops the buffer
+            broadcast both at construction and before each synced forward.
+        init_sync: broadcast rank 0's parameters (and buffers) at construction.
+        process_group: an mpi4py communicator (the same as ``comm``).
+        bucket_cap_mb: gradient bucket capacity in MiB (> 0; None: 25).
         find_unused_parameters: after each forward, find the parameters that
             the output does not depend on and treat their gradients as ready.
-        broadcast_buffers: broadcast rank 0's buffers before each synced forward.
+        check_reduction: deprecated in torch and ignored, as there.
         gradient_as_bucket_view: make ``.grad`` a view into the bucket (saves
             one copy of the gradients in memory and time).
+        static_graph: the graph is the same at every step: learn in the first
+            step how many times each gradient is accumulated (a module reused
+            under reentrant activation checkpointing) and which parameters are
+            unused, then rely on it (no graph search).
+        skip_all_reduce_unused_params, batched_grad_copy: accepted; mpidp's
+            results are the same either way (globally unused ``.grad`` is left
+            alone, bucket copies are already fused).
+        forward_sync_buffers: broadcast rank 0's buffers before each forward
+            that will synchronise (grad enabled, outside ``no_sync``); None: True.
+        delay_all_reduce_named_params, param_to_hook_all_reduce,
+        mixed_precision, device_mesh, bucket_cap_mb_list: not supported; a
+            value other than None raises a ValueError saying what to use instead.
+
+    mpidp's own (keyword-only):
+        comm: the mpi4py communicator to train over (default ``MPI.COMM_WORLD``).
         pool_size: how many duplicated communicators carry bucket allreduces
             round-robin (>= 1).
         first_bucket_mb: capacity of the first bucket in MiB (default 1, capped
@@ -131,9 +180,10 @@ class DistributedDataParallel(nn.Module):
             torch DDP does); results are identical either way.
         overlap: how bucket allreduces run beside the backward pass:
             "inline" (blocking, from the hook as soon as a bucket is ready),
-            "thread" (a communication thread) or "nonblocking" (nonblocking
-            collectives polled from the hooks); "auto" picks "inline" for CPU
-            models and "thread" for GPU models; see ``mpidp.overlap``.
+            "thread" (a communication thread; needs MPI_THREAD_MULTIPLE) or
+            "nonblocking" (nonblocking collectives polled from the hooks);
+            "auto" picks "inline" for CPU models and "thread" for GPU models
+            where the MPI thread level allows it; see ``mpidp.overlap``.
         chunk_mb: largest single allreduce in MiB; bigger buckets are reduced
             in chunks of this size.
         inplace_threshold_mb: gradients of at least this many MiB skip the
@@ -142,36 +192,108 @@ class DistributedDataParallel(nn.Module):
             a bucket, as torch does.
     """
 
-    def __init__(self, module: nn.Module, *, comm: MPI.Intracomm | None = None,
-                 bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
-                 pool_size: int = 2, first_bucket_mb: float | None = None,
-                 predict_gradient_order: bool = True, overlap: str = "auto",
-                 chunk_mb: float = 4, inplace_threshold_mb: float | None = 1):
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: MPI.Intracomm | None = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None, *,
+                 comm: MPI.Intracomm | None = None, pool_size: int = 2,
+                 first_bucket_mb: float | None = None, predict_gradient_order: bool = True,
+                 overlap: str = "auto", chunk_mb: float = 4,
+                 inplace_threshold_mb: float | None = 1):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if comm is not None and not isinstance(comm, MPI.Intracomm):
-            raise TypeError(f"comm must be None or an mpi4py Intracomm, got {type(comm).__name__}")
+        base = _base_comm(comm, process_group)
+        for name, value, instead in (
+                ("delay_all_reduce_named_params", delay_all_reduce_named_params,
+                 "leave those parameters out with requires_grad=False and reduce them yourself "
+                 "with mpidp.comm.allreduce"),
+                ("param_to_hook_all_reduce", param_to_hook_all_reduce, "the same"),
+                ("mixed_precision", mixed_precision,
+                 "run the forward under torch.autocast; gradients are reduced in the "
+                 "parameters' dtype"),
+                ("device_mesh", device_mesh, "pass an mpi4py communicator as comm"),
+                ("bucket_cap_mb_list", bucket_cap_mb_list, "bucket_cap_mb and first_bucket_mb")):
+            if value is not None:
+                raise ValueError(f"{name} is not supported by mpidp.DistributedDataParallel, "
+                                 f"got {value!r}; use {instead}")
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
                             ("chunk_mb", chunk_mb), ("inplace_threshold_mb", inplace_threshold_mb)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, Real)
                                       or not value > 0):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         for name, value in (("find_unused_parameters", find_unused_parameters),
-                            ("broadcast_buffers", broadcast_buffers),
                             ("gradient_as_bucket_view", gradient_as_bucket_view),
+                            ("static_graph", static_graph), ("init_sync", init_sync),
+                            ("check_reduction", check_reduction),
+                            ("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
+                            ("batched_grad_copy", batched_grad_copy),
                             ("predict_gradient_order", predict_gradient_order)):
             _check_flag(name, value)
+        _check_flag("broadcast_buffers", broadcast_buffers, optional=True)
+        _check_flag("forward_sync_buffers", forward_sync_buffers, optional=True)
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got {dim!r}")
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError(f"pool_size must be an int >= 1, got {pool_size!r}")
         if overlap not in _overlap.NAMES:
             raise ValueError(f"overlap must be one of {', '.join(map(repr, _overlap.NAMES))}, "
                              f"got {overlap!r}")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = self._named_params(module)
         if not named:
             raise ValueError("module has no parameter that requires grad; "
                              "DistributedDataParallel has nothing to synchronise")
+        device = self._check_devices(module, device_ids, output_device)
+        if forward_sync_buffers is not None:
+            sync_buffers, init_buffers = forward_sync_buffers, True
+        else:  # torch 2.13: the deprecated switch governs both
+            sync_buffers = init_buffers = broadcast_buffers is not False
+        if first_bucket_mb is None:
+            first_bucket_mb = min(_FIRST_BUCKET_MB, bucket_cap_mb)
+
+        self._options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                             find_unused_parameters=find_unused_parameters,
+                             gradient_as_bucket_view=gradient_as_bucket_view,
+                             static_graph=static_graph, pool_size=pool_size,
+                             predict_gradient_order=predict_gradient_order, overlap=overlap,
+                             chunk_mb=chunk_mb, inplace_threshold_mb=inplace_threshold_mb)
+        self.module = module
+        self.device_ids = [device] if device_ids else None
+        self.output_device = self.device_ids and device
+        self.dim = dim
+        self.forward_sync_buffers = sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True
+        self._over_world = comm is None and process_group is None
+        self._closed = False
+        self.pool = self.control = self.reducer = None
+        self._connect(base, device)
+        if init_sync and self.pool.size > 1:
+            broadcast_coalesced(list(module.parameters()) +
+                                (self._buffers_to_sync() if init_buffers else []),
+                                comm=self.control)
+
+    # -- construction -----------------------------------------------------------------
+
+    def _named_params(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in module.named_parameters()
+                if p.requires_grad and n not in self._ignored]
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        return [b for n, b in self.module.named_buffers() if n not in self._ignored]
+
+    @staticmethod
+    def _check_devices(module: nn.Module, device_ids, output_device) -> torch.device:
         tensors = list(module.named_parameters()) + list(module.named_buffers())
         device = tensors[0][1].device
         for name, tensor in tensors:
@@ -179,54 +301,111 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError(f"{name!r} is on {tensor.device} but {tensors[0][0]!r} is on "
                                  f"{device}; DistributedDataParallel needs the whole module on "
                                  f"one device, the CPU or one GPU per rank")
-        if first_bucket_mb is None:
-            first_bucket_mb = min(_FIRST_BUCKET_MB, bucket_cap_mb)
+        if not device_ids and output_device is None:  # torch takes [] as None too
+            return device
+        if device.type == "cpu":
+            raise ValueError(f"device_ids and output_device must be None for a CPU module, got "
+                             f"device_ids={device_ids!r}, output_device={output_device!r}")
+        if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+            raise ValueError(f"device_ids must be None or hold one device, the module's "
+                             f"({device}), got {device_ids!r}")
+        for name, value in (("device_ids[0]", device_ids[0]), ("output_device", output_device)):
+            if value is None:
+                continue
+            target = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+            if target != device:
+                raise ValueError(f"{name} must be the module's device {device}, got {value!r}; "
+                                 f"move the module there first (one GPU per rank)")
+        return device
 
-        base = MPI.COMM_WORLD if comm is None else comm
-        settings = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
-                        find_unused_parameters=find_unused_parameters,
-                        broadcast_buffers=broadcast_buffers,
-                        gradient_as_bucket_view=gradient_as_bucket_view, pool_size=pool_size,
-                        predict_gradient_order=predict_gradient_order, overlap=overlap,
-                        chunk_mb=chunk_mb, inplace_threshold_mb=inplace_threshold_mb)
+    def _settings(self, device: torch.device) -> dict:
+        resolved = _overlap.resolve(self._options["overlap"], device, runtime.thread_level())
+        return dict(self._options, overlap=resolved,
+                    forward_sync_buffers=self.forward_sync_buffers)
+
+    def _connect(self, base: MPI.Intracomm, device: torch.device) -> None:
+        """Check the model across ranks, duplicate the communicators, build the reducer (collective)."""
+        settings = self._settings(device)
         # Gather first, then every rank decides the same: no rank may raise alone
         # and leave the others in the Dup() below.
-        mismatch = first_mismatch(base.allgather(_signature(module, settings)))
+        mismatch = first_mismatch(base.allgather(_signature(self.module, settings)))
         if mismatch is not None:
             raise ValueError(f"DistributedDataParallel: the model or its settings differ "
                              f"across ranks: {mismatch}")
-        topology.warn_about_binding(base)  # names the line that built this DDP
-
-        self.module = module
-        self.pool = _comm.Pool(base, pool_size)
+        topology.warn_about_binding(base, stacklevel=4)  # names the line that built this DDP
+        self.pool = _comm.Pool(base, self._options["pool_size"])
         self.control = base.Dup()
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.require_backward_grad_sync = True
-        if self.pool.size > 1:
-            broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
-                                comm=self.control)
-        self.reducer = Reducer(named, self.pool, self.control,
-                               bucket_cap_bytes=int(bucket_cap_mb * _MB),
-                               first_bucket_bytes=int(first_bucket_mb * _MB),
-                               find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view,
-                               predict_order=predict_gradient_order, overlap=overlap,
-                               chunk_bytes=int(chunk_mb * _MB),
-                               solo_bytes=None if inplace_threshold_mb is None
-                               else int(inplace_threshold_mb * _MB))
+        self.reducer = self._make_reducer(settings["overlap"])
 
-    def forward(self, *args, **kwargs):
-        self.reducer.raise_pending_error()
-        sync = self.require_backward_grad_sync
-        if sync and self.broadcast_buffers and self.pool.size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_coalesced(buffers, comm=self.control)
-        output = self.module(*args, **kwargs)
+    def _make_reducer(self, overlap: str) -> Reducer:
+        options = self._options
+        named = self._named_params(self.module)
+        sparse = _sparse_names(self.module)
+        solo = options["inplace_threshold_mb"]
+        return Reducer(named, self.pool, self.control,
+                       bucket_cap_bytes=int(options["bucket_cap_mb"] * _MB),
+                       first_bucket_bytes=int(options["first_bucket_mb"] * _MB),
+                       find_unused_parameters=options["find_unused_parameters"],
+                       gradient_as_bucket_view=options["gradient_as_bucket_view"],
+                       predict_order=options["predict_gradient_order"], overlap=overlap,
+                       chunk_bytes=int(options["chunk_mb"] * _MB),
+                       solo_bytes=None if solo is None else int(solo * _MB),
+                       sparse=[i for i, (name, _) in enumerate(named) if name in sparse],
+                       static_graph=options["static_graph"])
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .double(), .half(), .cuda() ... on the wrapper: rebuild the
+        # buckets for the parameters' new dtype or device, on every rank alike.
+        result = super()._apply(fn, recurse)
+        if getattr(self, "reducer", None) is not None:
+            self.reducer.settle()
+            device = next(p for _, p in self._named_params(self.module)).device
+            settings = self._settings(device)
+            mismatch = first_mismatch(self.control.allgather(_signature(self.module, settings)))
+            if mismatch is not None:
+                raise ValueError(f"DistributedDataParallel: after converting the module, it "
+                                 f"differs across ranks: {mismatch}")
+            self.reducer.close()
+            self.reducer = self._make_reducer(settings["overlap"])
+        return result
+
+    # -- forward ----------------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        return self._post_forward(output)
+
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._closed:
+            raise RuntimeError("DistributedDataParallel was closed; call the module itself "
+                               "(ddp.module) or wrap it again")
         if torch.is_grad_enabled():
-            self.reducer.prepare(output, sync)
+            # Only a forward that may be followed by a synced backward runs on
+            # every rank; evaluation under no_grad may run on one rank alone.
+            if self.reducer is None:
+                self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
+            self.reducer.settle()
+            self.reducer.raise_pending_error()
+            self.reducer.check_parameters()
+            if self.require_backward_grad_sync and self.training:
+                self.reducer.count_forward()
+            if (self.require_backward_grad_sync and self.forward_sync_buffers
+                    and self.pool.size > 1):
+                buffers = self._buffers_to_sync()
+                if buffers:
+                    broadcast_coalesced(buffers, comm=self.control)
+        if self.device_ids:
+            device = self.device_ids[0]
+            move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+            inputs, kwargs = tree_map_only(torch.Tensor, move, (inputs, kwargs))
+        return inputs, kwargs
+
+    @torch.compiler.disable
+    def _post_forward(self, output):
+        if torch.is_grad_enabled():
+            self.reducer.prepare(output, self.require_backward_grad_sync)
         return output
 
     @contextlib.contextmanager
@@ -241,6 +420,52 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    # -- release and serialisation -----------------------------------------------------
+
+    def close(self) -> None:
+        """Release the communicators, autograd hooks and thread of this wrapper (collective).
+
+        Call it on every rank at the same point, like the constructor (or use
+        the wrapper as a context manager). The module keeps its parameters and
+        gradients; calling the wrapper afterwards raises. A second call does
+        nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        reducer, self.reducer = self.reducer, None
+        try:
+            if reducer is not None:
+                try:
+                    reducer.settle()
+                finally:
+                    reducer.close()
+        finally:
+            if self.pool is not None:
+                self.pool.free()
+                self.control.Free()
+                self.pool = self.control = None
+
+    def __enter__(self) -> "DistributedDataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:
+        if not self._over_world:
+            raise TypeError("a DistributedDataParallel over a communicator other than "
+                            "MPI.COMM_WORLD cannot be pickled (as torch's, which needs the "
+                            "default process group); pickle ddp.module instead")
+        state = super().__getstate__()
+        state.update(pool=None, control=None, reducer=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        # The copy has no communicators yet: its first grad-enabled forward
+        # builds them (collective); evaluation under no_grad needs none.
+        super().__setstate__(state)
 
 
 DDP = DistributedDataParallel

@@ -29,8 +29,10 @@ import queue
 import threading
 
 import torch
+from mpi4py import MPI
 
 from . import comm as _comm
+from . import runtime
 
 __all__ = ["STRATEGIES", "make"]
 
@@ -155,15 +157,42 @@ STRATEGIES = {"inline": Blocking, "thread": Threaded, "nonblocking": Nonblocking
 NAMES = ("auto", *STRATEGIES)
 
 
-def resolve(name: str, device: torch.device) -> str:
-    """``auto``: "inline" for CPU training (measured), "thread" for GPUs (the CPU is free)."""
+_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+           MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+           MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+
+
+def resolve(name: str, device: torch.device, thread_level: int = MPI.THREAD_MULTIPLE) -> str:
+    """Pick the strategy for ``name`` that is legal under the MPI thread level granted.
+
+    ``auto``: "inline" for CPU training (measured), "thread" for GPUs (the CPU
+    is free) when the library granted ``MPI_THREAD_MULTIPLE`` (the thread's
+    collectives run while the training thread makes its own MPI calls), else
+    "inline". On a GPU, autograd runs the gradient hooks on its own device
+    thread, so MPI must allow calls from a thread other than the main one
+    (``MPI_THREAD_SERIALIZED`` at least).
+
+    Raises:
+        ValueError: an unknown name, or a choice the thread level makes illegal.
+    """
     if name not in NAMES:
         raise ValueError(f"overlap must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
+    granted = _LEVELS.get(thread_level, str(thread_level))
+    if device.type == "cuda" and thread_level < MPI.THREAD_SERIALIZED:
+        raise ValueError(f"a CUDA model needs MPI_THREAD_SERIALIZED or higher (autograd calls "
+                         f"the gradient hooks from its device thread), but the MPI library "
+                         f"granted {granted}; initialise MPI with a higher thread level")
     if name == "auto":
-        return "thread" if device.type == "cuda" else "inline"
+        multiple = thread_level >= MPI.THREAD_MULTIPLE
+        return "thread" if device.type == "cuda" and multiple else "inline"
+    if name == "thread" and thread_level < MPI.THREAD_MULTIPLE:
+        raise ValueError(f"overlap='thread' calls MPI from a communication thread while the "
+                         f"training thread calls it too, which needs MPI_THREAD_MULTIPLE, but "
+                         f"the MPI library granted {granted}; use overlap='inline' or "
+                         f"'nonblocking' (or 'auto')")
     return name
 
 
 def make(name: str, pool: _comm.Pool, chunk_bytes: int, device: torch.device) -> _Strategy:
     """Build the overlap strategy called ``name`` (see the module's table) for ``device``."""
-    return STRATEGIES[resolve(name, device)](pool, chunk_bytes)
+    return STRATEGIES[resolve(name, device, runtime.thread_level())](pool, chunk_bytes)

@@ -1,38 +1,77 @@
-"""The gradient reducer: autograd hooks feed buckets, buckets feed nonblocking allreduces.
+"""The gradient reducer: autograd hooks feed buckets, buckets feed allreduces.
 
-One step, as in the DDP paper (section 4.2): after a synced forward, ``prepare``
-arms the reducer; each parameter's post-accumulate-grad hook copies its
-gradient (pre-divided by the world size, as torch DDP does) into its bucket
-slot; when a bucket's last gradient arrives, buckets are handed strictly in
-bucket order to the overlap strategy (``mpidp.overlap``), so every rank issues
-the same collectives in the same order. Hooks also let the strategy progress
-its requests, because MPI libraries progress nonblocking collectives only inside
-MPI calls. At the end of the backward pass an autograd-engine callback waits
-for everything and leaves the averaged gradients in ``param.grad``.
+One synced forward, at most one reduction (the DDP paper, section 4.2, and
+torch's rule). ``prepare`` opens a ``_Step`` for the forward; the step owns
+everything that belongs to that reduction, from the forward to the end of its
+backward pass, so nothing of one step can leak into the next:
 
-Every step also sums a small per-parameter "gradient arrived" map across ranks.
-With ``find_unused_parameters=True`` it tells globally unused parameters (whose
+- the first parameter gradient of a backward pass starts the step (a backward
+  that reaches no parameter, such as the ``autograd.grad`` of a gradient
+  penalty, leaves it waiting);
+- each parameter's post-accumulate-grad hook copies its gradient (pre-divided
+  by the world size, as torch DDP does) into its bucket slot, and full buckets
+  go, strictly in bucket order, to the overlap strategy (``mpidp.overlap``), so
+  every rank issues the same collectives in the same order;
+- an autograd-engine callback at the end of that backward waits for everything
+  and leaves the averaged gradients in ``param.grad``; the step is then done,
+  and any further backward through the same outputs accumulates locally,
+  without communication, as in torch.
+
+Every step also sums a small per-parameter "gradient arrived" map across
+ranks, with three more numbers: whether the rank's backward failed, and the
+step's sequence number and its square (the ranks are at the same step exactly
+when the sum of squares is the square of the sum over the world size). With
+``find_unused_parameters=True`` the map tells globally unused parameters (whose
 ``.grad`` is left alone) from locally unused ones; otherwise it detects a
 parameter that got no gradient on some rank. Such a parameter's slot is filled
 with zeros at the end of the backward so that every bucket is still launched
 on every rank (no rank can hang), and the same error is raised on every rank
 at the next forward.
+
+A backward that raised part-way leaves its step running. The next
+grad-enabled forward finishes it first ("abandons" it): the buckets not yet
+launched go out as zeros, and the map carries the failure, so the ranks whose
+backward went well raise a clear error from their ``backward()`` instead of
+stepping with half-reduced gradients, and every rank is ready for the next
+step with its communicators lined up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from . import comm as _comm
 from . import overlap as _overlap
+from . import sparse as _sparse
 from .buckets import Bucket, assign_buckets
 from .kernels import unpack
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "find_tensors", "reachable_parameters"]
+
+_ARMED, _RUNNING, _DONE = "armed", "running", "done"
+
+
+def find_tensors(obj) -> list[torch.Tensor]:
+    """Return the tensors in a model output, searched as torch's DDP does.
+
+    Tensors, and lists, tuples (named or not), dicts and dataclasses of them,
+    nested to any depth.
+    """
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return list(itertools.chain.from_iterable(map(find_tensors, obj)))
+    if isinstance(obj, dict):
+        return list(itertools.chain.from_iterable(map(find_tensors, obj.values())))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return list(itertools.chain.from_iterable(
+            find_tensors(getattr(obj, field.name)) for field in dataclasses.fields(obj)))
+    return []
 
 
 def reachable_parameters(outputs: Sequence[torch.Tensor]) -> set[int]:
@@ -56,6 +95,24 @@ def reachable_parameters(outputs: Sequence[torch.Tensor]) -> set[int]:
     return found
 
 
+class _Step:
+    """The reduction of one synced forward, from ``prepare`` to the end of its backward."""
+
+    __slots__ = ("state", "ready", "pending", "next_launch", "task", "unused", "fired", "counted")
+
+    def __init__(self, count: int, layout: list[list[int]], unused: list[int]):
+        self.state = _ARMED
+        self.ready = bytearray(count)
+        self.pending = [len(members) for members in layout]
+        self.next_launch = 0  # the next bucket to hand to the strategy
+        # The graph task whose end-of-backward callback is queued and has not run
+        # yet (-1: none). If it never runs, that backward raised.
+        self.task = -1
+        self.unused = unused  # marked ready as soon as the step starts
+        self.fired = [0] * count  # post-accumulate-grad hook calls (static_graph)
+        self.counted = False  # whether this step has its number (see Reducer._count)
+
+
 class Reducer:
     """Averages the gradients of ``params`` across the ranks of ``pool`` during backward.
 
@@ -69,17 +126,22 @@ class Reducer:
         find_unused_parameters: search the graph after each synced forward.
         gradient_as_bucket_view: leave ``.grad`` as a view into the bucket.
         predict_order: rebuild the buckets once, in rank 0's observed gradient order.
-        overlap: "auto", "inline", "thread" or "nonblocking" (see ``mpidp.overlap``).
+        overlap: a strategy name of ``mpidp.overlap`` ("auto" resolved already or not).
         chunk_bytes: largest single allreduce; bigger buckets go in chunks.
         solo_bytes: gradients at least this big skip the buckets and are
             reduced in place (None: never).
+        sparse: indices of parameters whose gradients are sparse (never bucketed).
+        static_graph: learn in the first step how often each parameter's
+            gradient is accumulated per backward (reentrant checkpointing may
+            do it several times) and which are unused, then rely on it.
     """
 
     def __init__(self, named_params, pool: _comm.Pool, control, *, bucket_cap_bytes: int,
                  first_bucket_bytes: int, find_unused_parameters: bool,
                  gradient_as_bucket_view: bool, predict_order: bool = True,
                  overlap: str = "auto", chunk_bytes: int = 4 << 20,
-                 solo_bytes: int | None = None):
+                 solo_bytes: int | None = None, sparse: Sequence[int] = (),
+                 static_graph: bool = False):
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.control = control
@@ -87,28 +149,41 @@ class Reducer:
         self.strategy = _overlap.make(overlap, pool, chunk_bytes, self.params[0].device)
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.sparse = sorted(sparse)
+        self._dense = [i for i in range(len(self.params)) if i not in set(self.sparse)]
         self._caps = (bucket_cap_bytes, first_bucket_bytes)
         self._solo_bytes = solo_bytes
+        self._layout_key = [(param.dtype, param.device) for param in self.params]
         self._build(self._assign())
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        n = len(self.params)
+        # counts per parameter, then [failed, step number, step number squared]
+        self._used = torch.zeros(n + 3, dtype=torch.int64)
         self._used_flags = self._used.numpy()
-        self._ready = bytearray(len(self.params))
-        self._unused: list[int] = []
-        self._sync = False
-        self._started = False
-        self._next_launch = 0
+        self._step: _Step | None = None
+        self._steps = 0  # this rank's step number, compared across ranks at every step
+        self._forward_counted = False
+        self._expected: list[int] | None = None  # static_graph: hook calls per backward
         self._error: RuntimeError | None = None
         # Gradient order prediction (the DDP paper's future work, torch's bucket
         # rebuild): record the order gradients arrive in during the first synced
-        # backward, then lay the buckets out in rank 0's order, once.
+        # backward that succeeds on every rank, then lay the buckets out in rank
+        # 0's order, once.
         self._arrival: list[int] | None = [] if predict_order else None
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
 
+    # -- layout -----------------------------------------------------------------------
+
     def _assign(self, order: list[int] | None = None) -> list[list[int]]:
-        return assign_buckets([p.numel() * p.element_size() for p in self.params],
-                              [(p.dtype, p.device) for p in self.params], *self._caps, order=order,
-                              solo_bytes=self._solo_bytes)
+        dense = self._dense
+        position = {index: k for k, index in enumerate(dense)}
+        if order is not None:
+            order = [position[i] for i in order if i in position]
+        local = assign_buckets([self.params[i].numel() * self.params[i].element_size() for i in dense],
+                               [(self.params[i].dtype, self.params[i].device) for i in dense],
+                               *self._caps, order=order, solo_bytes=self._solo_bytes)
+        return [[dense[k] for k in members] for members in local]
 
     def _is_solo(self, members: list[int]) -> bool:
         param = self.params[members[0]]
@@ -119,7 +194,8 @@ class Reducer:
         self.layout = layout
         self.buckets = [Bucket([self.params[i] for i in members], solo=self._is_solo(members))
                         for members in layout]
-        self._slot: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)
+        self._position = {id(bucket): k for k, bucket in enumerate(self.buckets)}
+        self._slot: list[tuple[Bucket, torch.Tensor] | None] = [None] * len(self.params)
         for bucket, members in zip(self.buckets, layout):
             for index, view in zip(members, bucket.views):
                 self._slot[index] = (bucket, view)
@@ -133,18 +209,21 @@ class Reducer:
         layout = self._assign(shared.tolist())
         if layout == self.layout:
             return
-        old_views = [view for _, view in self._slot]
+        old_views = [slot[1] if slot else None for slot in self._slot]
         self._build(layout)
         if self.as_view:
-            for param, old, (_, new) in zip(self.params, old_views, self._slot):
+            for param, old, slot in zip(self.params, old_views, self._slot):
+                new = slot[1] if slot else None
                 if old is None or new is None:
                     continue
                 if param.grad is not None and param.grad.data_ptr() == old.data_ptr():
                     new.copy_(old)
                     param.grad = new
 
+    # -- public -----------------------------------------------------------------------
+
     def close(self) -> None:
-        """Detach the reducer from its parameters and stop its communication thread."""
+        """Detach the reducer from its parameters and stop its communication thread (local)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -156,68 +235,145 @@ class Reducer:
         if error is not None:
             raise error
 
+    def check_parameters(self) -> None:
+        """Raise if a parameter changed dtype or device since the buckets were built (local)."""
+        for name, param, (dtype, device) in zip(self.names, self.params, self._layout_key):
+            if param.dtype != dtype or param.device != device:
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {name!r} is now {param.dtype} on "
+                    f"{param.device}, but its gradient bucket was built for {dtype} on {device}; "
+                    f"the module was converted after DistributedDataParallel wrapped it. "
+                    f"Convert through the wrapper (ddp.to(...), ddp.double(), ...), which "
+                    f"rebuilds the buckets on every rank, or wrap the converted module.")
+
+    def settle(self) -> None:
+        """Finish a step whose backward raised part-way (collective when there is one).
+
+        Called before anything collective of the next forward: the other ranks
+        may still be waiting in that step's collectives.
+        """
+        step = self._step
+        if step is None or step.state == _DONE:
+            return
+        if step.state == _ARMED:
+            if step.task == -1:
+                return  # no backward went through this forward's outputs yet
+            # A backward through the outputs raised before any parameter's
+            # gradient: other ranks may have started this step, so take part.
+            step.state = _RUNNING
+            self._count(step)
+        self._finish(step, failed=True)
+
+    def _count(self, step: _Step) -> None:
+        if not step.counted:
+            step.counted = True
+            self._steps += 1
+
+    def count_forward(self) -> None:
+        """Number the coming synced forward in training mode (call before the module runs).
+
+        A step gets its number here, so that a forward or a backward that
+        raised on some ranks still counts there, and the ranks that skipped it
+        are found at the next step; or, outside training mode, when it starts,
+        so that evaluation through the wrapper on one rank counts nothing.
+        """
+        self._steps += 1
+        self._forward_counted = True
+
     def prepare(self, outputs, sync: bool) -> None:
         """Arm the reducer after a forward pass whose outputs are ``outputs``.
 
         Args:
-            outputs: the module's output (any nesting of tensors).
+            outputs: the module's output (tensors in any nesting ``find_tensors`` searches).
             sync: whether the coming backward pass reduces (False inside ``no_sync``).
         """
-        self._sync = sync
-        self._started = False
+        self.settle()
         if not sync:
+            self._step = None  # gradients accumulate locally
             return
-        for bucket in self.buckets:
-            bucket.reset()
-        self._ready = bytearray(len(self.params))
-        self._next_launch = 0
         if not self.find_unused:
             self._used.zero_()
-        tensors = [t for t in tree_flatten(outputs)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if self.find_unused:
+        tensors = [t for t in find_tensors(outputs) if t.requires_grad]
+        unused: list[int] = []
+        if self._expected is not None:
+            unused = [i for i, count in enumerate(self._expected) if count == 0]
+        elif self.find_unused and not self.static_graph:
             reached = reachable_parameters(tensors)
-            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        step = self._step = _Step(len(self.params), self.layout, unused)
+        step.counted, self._forward_counted = self._forward_counted, False
+        # The outputs' hooks run first in the backward that goes through them,
+        # so the end-of-backward callback joins that (outer) backward, even when
+        # the parameters' gradients come from reentrant backward calls inside it.
+        hook = functools.partial(self._on_output_grad, step)
         for tensor in tensors:
             if tensor.grad_fn is not None:
-                tensor.register_hook(self._on_backward_start)
+                tensor.register_hook(hook)
 
-    def _on_backward_start(self, grad):
-        self._begin_backward()
+    # -- hooks ------------------------------------------------------------------------
 
-    def _begin_backward(self) -> None:
-        if self._started:
-            return
-        self._started = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        for index in self._unused:
-            self._mark_ready(index)
+    def _on_output_grad(self, step: _Step, grad) -> None:
+        task = torch._C._current_graph_task_id()
+        if step is self._step and step.state != _DONE and step.task != task:
+            self._queue_end(step, task)
+
+    def _queue_end(self, step: _Step, task: int) -> None:
+        step.task = task
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(self._end_of_backward, step, task))
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._used_flags[index] = 1
-        if not self._sync:
-            return
-        if self._arrival is not None:
+        step = self._step
+        if step is None or step.state == _DONE:
+            return  # inside no_sync, or a further backward after this forward's reduction
+        if step.state == _ARMED:
+            self._begin(step)
+        step.fired[index] += 1
+        if self.static_graph:
+            if self._expected is None or step.fired[index] < self._expected[index]:
+                return  # first step: learn the counts; later: wait for the last accumulation
+        if self._arrival is not None and step.fired[index] == 1:
             self._arrival.append(index)
-        self._begin_backward()
-        self._mark_ready(index, arrived=True)
-        if self.as_view and not self._slot[index][0].solo:
+        if param.grad is not None and param.grad.is_sparse and self._slot[index] is not None:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {self.names[index]!r} received a sparse "
+                f"gradient, but only nn.Embedding/nn.EmbeddingBag(sparse=True) parameters are "
+                f"expected to; mpidp reduces those by gathering indices and values")
+        self._mark_ready(step, index, arrived=True)
+        slot = self._slot[index]
+        if self.as_view and slot is not None and not slot[0].solo:
             # Free a freshly allocated gradient now (after zero_grad(set_to_none=True)),
             # not at the end of backward: the bucket slice is the gradient from here on.
-            param.grad = self._slot[index][1]
+            param.grad = slot[1]
         self.strategy.poll()
 
-    def _mark_ready(self, index: int, arrived: bool = False) -> None:
-        if self._ready[index]:
-            raise RuntimeError(f"parameter {self.names[index]!r} was marked ready twice in one "
-                               f"backward pass; run one backward per forward of "
-                               f"DistributedDataParallel")
-        self._ready[index] = 1
-        bucket, view = self._slot[index]
-        grad = self.params[index].grad
+    def _begin(self, step: _Step) -> None:
+        step.state = _RUNNING
+        self._count(step)
+        if step.task == -1:  # the outputs' hooks did not queue it (outputs not found)
+            self._queue_end(step, torch._C._current_graph_task_id())
+        for index in step.unused:
+            self._mark_ready(step, index)
+
+    def _mark_ready(self, step: _Step, index: int, arrived: bool = False,
+                    zero: bool = False) -> None:
+        if step.ready[index]:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {self.names[index]!r} was marked ready "
+                f"twice in one backward pass: its gradient was accumulated again after it was "
+                f"reduced (a module used twice under reentrant activation checkpointing, or a "
+                f"parameter that find_unused_parameters took for unused). Pass "
+                f"static_graph=True if the graph is the same at every step.")
+        step.ready[index] = 1
+        slot = self._slot[index]
+        if slot is None:
+            return  # sparse: gathered at the end of the backward
+        bucket, view = slot
+        grad = None if zero else self.params[index].grad
         with torch.no_grad():
             if bucket.solo:
-                self._prepare_solo(bucket, self.params[index], arrived)
+                self._prepare_solo(bucket, self.params[index], grad, arrived)
             elif grad is None:
                 view.zero_()
             elif grad.data_ptr() == view.data_ptr():
@@ -225,15 +381,15 @@ class Reducer:
                     view.div_(self.world)
             else:
                 torch.div(grad, self.world, out=view)
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
+        position = self._position[id(bucket)]
+        step.pending[position] -= 1
+        if step.pending[position] == 0:
+            self._launch_ready(step)
 
-    def _prepare_solo(self, bucket: Bucket, param: torch.Tensor, arrived: bool) -> None:
+    def _prepare_solo(self, bucket: Bucket, param: torch.Tensor, grad, arrived: bool) -> None:
         # A fresh contiguous gradient is reduced where it lies. Anything else (no
         # gradient, a non-contiguous one, or a stale .grad of a parameter that
         # did not take part) goes through a spare buffer and leaves .grad alone.
-        grad = param.grad
         if arrived and grad is not None and grad.is_contiguous():
             bucket.buffer = grad.view(-1)
             bucket.divisor = self.world  # divided chunk by chunk by the strategy
@@ -247,28 +403,91 @@ class Reducer:
         bucket.buffer = bucket.spare
         bucket.divisor = 1
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, step: _Step) -> None:
         # A bucket ready early waits for the ones before it: every rank must
         # issue the allreduces in the same order.
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            bucket = self.buckets[self._next_launch]
+        while step.next_launch < len(self.buckets) and step.pending[step.next_launch] == 0:
+            bucket = self.buckets[step.next_launch]
+            step.next_launch += 1
             self.strategy.start(bucket.buffer, bucket.divisor)
-            self._next_launch += 1
 
-    def _finalize(self) -> None:
-        for index in range(len(self.params)):
-            if not self._ready[index]:
-                self._mark_ready(index)
-        used = _comm.iallreduce(self._used, "sum", comm=self.control)
-        self.strategy.finish()
-        counts = used.wait().tolist()
+    # -- end of a step ----------------------------------------------------------------
+
+    def _end_of_backward(self, step: _Step, task: int) -> None:
+        if step.task == task:
+            step.task = -1
+        if step is self._step and step.state == _RUNNING:
+            self._finish(step, failed=False)
+        # _ARMED: this backward reached no parameter; the step waits for the next one.
+
+    def _finish(self, step: _Step, failed: bool) -> None:
+        """Launch what is left, wait for everything, then agree across ranks on the outcome."""
+        step.state = _DONE
+        n = len(self.params)
+        try:
+            if self.static_graph and self._expected is None and not failed:
+                # first static step: nothing was marked in the hooks
+                for index in range(n):
+                    if step.fired[index] and not step.ready[index]:
+                        self._mark_ready(step, index, arrived=True)
+            for index in range(n):
+                if not step.ready[index]:
+                    self._mark_ready(step, index, zero=failed)
+        finally:
+            self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2)
+            used = _comm.iallreduce(self._used, "sum", comm=self.control)
+            try:
+                self.strategy.finish()
+            finally:
+                counts = used.wait().tolist()
+                self._used.zero_()
+        failed_ranks, total, squares = counts[n:]
+        if failed_ranks or squares * self.world != total * total:
+            for bucket in self.buckets:
+                if bucket.solo:
+                    bucket.buffer = None  # drop this step's gradient
+            self._arrival = [] if self._arrival is not None else None
+            self._disagreement(failed, failed_ranks)
+            return
+        self._reduce_sparse(counts)
         self._copy_back(counts)
-        if not self.find_unused:
+        if self.static_graph and self._expected is None:
+            self._expected = list(step.fired)
+        if not self.find_unused and not self.static_graph:
             self._error = self._missing_error(counts)
-        self._used.zero_()
-        self._sync = self._started = False
         if self._arrival is not None:
             self._rebuild_in_arrival_order()
+
+    def _disagreement(self, failed: bool, failed_ranks: int) -> None:
+        """A rank's backward failed, or the ranks are at different steps: say so on every rank."""
+        # Every rank saw the same sums, so every rank takes part in this gather.
+        reports = self.control.allgather((failed, self._steps))
+        self._steps = max(number for _, number in reports)  # line up for the next step
+        bad = [rank for rank, (did_fail, _) in enumerate(reports) if did_fail]
+        numbers = {rank: number for rank, (_, number) in enumerate(reports)}
+        if len(set(numbers.values())) > 1:
+            raise RuntimeError(
+                f"DistributedDataParallel: the ranks are not at the same synced backward pass "
+                f"(steps by rank: {numbers}): a rank skipped a step (its forward, or its "
+                f"backward before reaching this module, raised and the exception was caught), "
+                f"or ran a grad-enabled forward in training mode alone (evaluate on one rank "
+                f"under torch.no_grad() or in eval mode). The gradients of this step mix "
+                f"different steps and must not be used. The step numbers are lined up again, "
+                f"but the ranks' loops are not: end the epoch on every rank, or restart.")
+        if failed:
+            return  # this rank's own exception was raised by its backward already
+        raise RuntimeError(
+            f"DistributedDataParallel: the backward pass raised on rank(s) {bad} before their "
+            f"gradients were reduced, so the gradients of this step are not averaged over "
+            f"all ranks and must not be used: call optimizer.zero_grad() and go on with the "
+            f"next step on every rank (catch this error where those ranks catch theirs).")
+
+    def _reduce_sparse(self, counts: list[int]) -> None:
+        for index in self.sparse:
+            if self.find_unused and counts[index] == 0:
+                continue
+            param = self.params[index]
+            param.grad = _sparse.allreduce_average(param.grad, param, comm=self.control)
 
     def _copy_back(self, counts: list[int]) -> None:
         for bucket, members in zip(self.buckets, self.layout):
@@ -278,7 +497,7 @@ class Reducer:
             targets = []
             for index, view in zip(members, bucket.views):
                 param = self.params[index]
-                if self.find_unused and counts[index] == 0:
+                if (self.find_unused or self.static_graph) and counts[index] == 0:
                     targets.append(None)  # unused on every rank: .grad stays as the user left it
                 elif self.as_view:
                     if param.grad is None or param.grad.data_ptr() != view.data_ptr():
@@ -297,10 +516,9 @@ class Reducer:
 
     def _copy_back_solo(self, bucket: Bucket, index: int, count: int) -> None:
         param = self.params[index]
-        # Drop the reference to this step's gradient, so zero_grad(set_to_none=True)
-        # really frees it before the next backward allocates another.
+        # Drop the reference to this step's spare use, so the next step starts clean.
         buffer, bucket.buffer = bucket.buffer, None
-        if buffer is not bucket.spare or (self.find_unused and count == 0):
+        if buffer is not bucket.spare or ((self.find_unused or self.static_graph) and count == 0):
             return  # reduced in place, or unused everywhere
         if param.grad is None:
             param.grad = bucket.spare.view(param.shape).clone()
@@ -309,7 +527,7 @@ class Reducer:
 
     def _missing_error(self, counts: list[int]) -> RuntimeError | None:
         missing = [f"{self.names[i]} (missing on {self.world - c} of {self.world} ranks)"
-                   for i, c in enumerate(counts) if c < self.world]
+                   for i, c in enumerate(counts[:len(self.params)]) if c < self.world]
         if not missing:
             return None
         return RuntimeError(
@@ -318,4 +536,3 @@ class Reducer:
             f"DistributedDataParallel if parts of the model may not take part in the loss, or "
             f"set requires_grad=False on parameters that never do. This step reduced them "
             f"as zeros (or their earlier .grad) so that no rank hangs.")
-

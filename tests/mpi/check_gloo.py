@@ -1,11 +1,7 @@
 """mpidp.DistributedDataParallel equals torch's DDP over gloo on the same seeds and shards."""
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import mpidp
@@ -14,18 +10,7 @@ from _models import RANK, SIZE, Branches, inputs, loss_of, max_rel_diff, referen
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo_group():
-    port = None
-    if RANK == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    port = MPI.COMM_WORLD.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                            world_size=SIZE)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo")
 
 
 def report(name, value):

@@ -45,3 +45,21 @@ def test_ddp_on_the_gpu_matches_the_cpu(overlap):
             loss_of("mlp", model(shard(x).to(device)), shard(y).to(device)).backward()
             optimizer.step()
     assert max_rel_diff(gpu.module.cpu(), cpu.module) < 1e-5
+
+
+def test_device_ids_of_the_local_gpu_move_cpu_inputs_and_moving_the_wrapper_rebuilds():
+    torch.manual_seed(RANK)
+    cpu = mpidp.DistributedDataParallel(mlp())
+    gpu = mpidp.DistributedDataParallel(mlp().to(DEVICE), device_ids=[DEVICE.index],
+                                        output_device=DEVICE.index)
+    gpu.module.load_state_dict(cpu.module.state_dict())
+    x, y = inputs("mlp", 0)
+    loss_of("mlp", gpu(shard(x)), shard(y).to(DEVICE)).backward()  # CPU input moved by DDP
+    loss_of("mlp", cpu(shard(x)), shard(y)).backward()
+    for p, q in zip(gpu.module.parameters(), cpu.module.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="device_ids\\[0\\] must be the module's device"):
+        mpidp.DistributedDataParallel(mlp().to(DEVICE), device_ids=[DEVICE.index + 1])
+    moved = mpidp.DistributedDataParallel(mlp()).to(DEVICE)  # the wrapper follows its module
+    assert {b.buffer.device for b in moved.reducer.buckets if b.buffer is not None} == {DEVICE}
+    loss_of("mlp", moved(shard(x).to(DEVICE)), shard(y).to(DEVICE)).backward()

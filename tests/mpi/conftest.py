@@ -5,9 +5,11 @@ waiting in the next collective; printing the failure and aborting the job
 turns that into a prompt, visible failure instead of a hang.
 """
 
+import socket
 import sys
 
 import pytest
+import torch.distributed as dist
 from mpi4py import MPI
 
 
@@ -19,3 +21,19 @@ def pytest_runtest_logreport(report):
                          f"{report.longreprtext}\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def gloo():
+    """torch.distributed over gloo on the same ranks, to compare with torch's DDP in one run."""
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+    yield
+    dist.destroy_process_group()

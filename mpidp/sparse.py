@@ -1,0 +1,69 @@
+"""Averaging sparse gradients across ranks by gathering their indices and values.
+
+Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``)
+touch different rows on different ranks, so they cannot share a dense bucket.
+As torch's DDP and Horovod do, every rank gathers every rank's (indices,
+values), and the sum is the coalesced sparse tensor of all of them, here
+divided by the world size first, like the dense gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+__all__ = ["allreduce_average"]
+
+
+def _empty_like_grad(param: torch.Tensor) -> torch.Tensor:
+    # Embedding weights: one sparse dimension (rows), the rest dense.
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
+                                   torch.empty(0, *param.shape[1:], dtype=param.dtype),
+                                   param.shape, check_invariants=False)
+
+
+def _gather_rows(rows: torch.Tensor, counts: list[int], comm: MPI.Intracomm) -> torch.Tensor:
+    """Allgather tensors of ``counts[r]`` rows each (same row shape on every rank) as bytes."""
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+    out = torch.empty((sum(counts), *rows.shape[1:]), dtype=rows.dtype)
+    send = rows.contiguous().view(-1).view(torch.uint8).numpy() if rows.numel() else \
+        np.empty(0, dtype=np.uint8)
+    receive = out.view(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)
+    comm.Allgatherv([send, MPI.BYTE], [receive, [c * row_bytes for c in counts], MPI.BYTE])
+    return out
+
+
+def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
+                      comm: MPI.Intracomm) -> torch.Tensor:
+    """Return the average over the ranks of ``comm`` of each rank's sparse ``grad`` (collective).
+
+    Args:
+        grad: this rank's gradient of ``param``: sparse COO, dense (converted),
+            or None (contributes nothing).
+        param: the parameter (gives the shape, dtype and device of the result).
+        comm: the ranks to average over; every rank calls this in the same order.
+
+    Returns:
+        A coalesced sparse COO tensor on ``param``'s device.
+    """
+    world = comm.Get_size()
+    if grad is None:
+        grad = _empty_like_grad(param)
+    elif not grad.is_sparse:
+        grad = grad.to_sparse(1)
+    grad = grad.detach().coalesce().cpu()
+    if grad.sparse_dim() != 1:
+        raise ValueError(f"sparse gradients must have one sparse dimension (embedding rows), "
+                         f"got {grad.sparse_dim()} for shape {tuple(grad.shape)}")
+    indices = grad.indices()[0].contiguous()
+    values = (grad.values() / world).contiguous()
+    counts = comm.allgather(indices.numel())
+    all_indices = _gather_rows(indices, counts, comm)
+    all_values = _gather_rows(values, counts, comm)
+    # The indices are the ranks' own coalesced indices of the same parameter: in range.
+    total = torch.sparse_coo_tensor(all_indices.unsqueeze(0), all_values, param.shape,
+                                    check_invariants=False)
+    return total.coalesce().to(param.device)
