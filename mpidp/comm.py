@@ -1,19 +1,24 @@
 """Collective and point-to-point communication of torch tensors over mpi4py.
 
-Every function takes contiguous tensors that do not require grad, works in
-place where MPI allows it, and comes in a blocking form and a nonblocking
-``i``-form that returns a ``Handle``. ``comm`` may be an ``mpi4py`` communicator
-(used as it is), a ``Pool`` (its next member, round-robin), or None (the
-default pool over ``MPI.COMM_WORLD``). Round-robin over duplicated
-communicators lets several collectives progress at once, as the DDP paper's
-round-robin process groups do; collectives must still be issued in the same
-order on every rank.
+Every function takes tensors that do not require grad, works in place where
+MPI allows it, and comes in a blocking form and a nonblocking ``i``-form that
+returns a ``Handle``. ``comm`` may be an ``mpi4py`` communicator (used as it
+is), a ``Pool`` (its next member, round-robin), or None (the default pool over
+``MPI.COMM_WORLD``). Round-robin over duplicated communicators lets several
+collectives progress at once, as the DDP paper's round-robin process groups
+do; collectives must still be issued in the same order on every rank.
 
 Tensors may live on the CPU or a CUDA device. Before MPI touches device memory,
 the stream that produced it is synchronised (mpi4py cannot do that); a
 CUDA-aware library then reads device memory directly, any other gets a copy
-staged through pinned host memory (see ``mpidp.cuda``). Supported dtypes:
-float16, bfloat16, float32, float64, int32, int64, uint8 and bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
+staged through pinned host memory (see ``mpidp.cuda``). A non-contiguous tensor
+is staged the same way: MPI gets a contiguous copy, and a tensor that receives
+a result gets it copied back when the operation completes (at ``wait()`` for
+the ``i``-forms); only a result tensor whose elements share memory (a stride-0
+``expand()``) is refused. Contiguous tensors go to MPI as they are.
+
+Supported dtypes: float16, bfloat16, float32, float64, int32, int64, uint8 and
+bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
 dtype; on bool, sum/max are logical or and prod/min logical and). Where the MPI
 library lacks a datatype or an op for a dtype (bfloat16 reductions in most
 libraries), mpidp reduces with a user-defined MPI op computed by torch. Which
@@ -24,7 +29,9 @@ Arguments are checked before anything collective happens (taking a pool
 member included), so a rank that catches an argument error stays in step with
 the others. Point-to-point messages to oneself are refused, as in
 torch.distributed: MPI_Send to one's own rank blocks once the message outgrows
-the library's eager buffer.
+the library's eager buffer. What one rank cannot check alone (``alltoall``'s
+splits against the senders', ``allgatherv``'s row shapes) is exchanged first,
+and a disagreement raises the same ``ValueError`` on every rank.
 
 Set ``MPIDP_DEBUG=1`` (or true/yes/on) to have every collective first check, on
 the communicator it is about to use, that all ranks made the same call: the
@@ -36,8 +43,11 @@ instead of hanging or corrupting memory.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import os
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -48,8 +58,9 @@ from . import runtime as _runtime
 __all__ = [
     "OPS", "Handle", "Pool", "default_pool",
     "allreduce", "iallreduce", "broadcast", "ibroadcast", "allgather", "iallgather",
-    "reduce_scatter", "ireduce_scatter", "barrier", "ibarrier",
-    "send", "recv", "isend", "irecv",
+    "reduce_scatter", "ireduce_scatter", "reduce", "ireduce", "gather", "igather",
+    "scatter", "iscatter", "alltoall", "ialltoall", "allgatherv", "iallgatherv",
+    "barrier", "ibarrier", "send", "recv", "isend", "irecv", "reduction_path",
 ]
 
 OPS = ("sum", "avg", "min", "max", "prod")
@@ -76,6 +87,8 @@ _DATATYPES = {
     torch.bool: (("C_BOOL",), None),
 }
 
+_DTYPES = tuple(_DATATYPES)  # a dtype's index here names it in messages between ranks
+
 _NATIVE_OPS = {"sum": "SUM", "avg": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
 _NATIVE_BOOL_OPS = {"sum": "LOR", "min": "LAND", "max": "LOR", "prod": "LAND"}
 _TORCH_OPS = {"sum": torch.add, "avg": torch.add, "min": torch.minimum,
@@ -89,8 +102,9 @@ _in_flight: set = set()
 class Handle:
     """A pending nonblocking operation that owns its tensors until it completes.
 
-    ``wait()`` blocks and returns the result tensor; ``is_completed()`` tests
-    without blocking (and drives MPI progress).
+    ``wait()`` blocks and returns the result (the output tensor; see each
+    ``i``-function); ``is_completed()`` tests without blocking (and drives MPI
+    progress).
     """
 
     __slots__ = ("_request", "_tensors", "_finish", "_result", "__weakref__")
@@ -103,7 +117,7 @@ class Handle:
         _in_flight.add(self)
 
     def wait(self):
-        """Block until the operation completes; return its result tensor."""
+        """Block until the operation completes; return its result."""
         if self._request is not None:
             self._settle(self._request.Wait)
         return self._result
@@ -227,7 +241,8 @@ def _p2p_comm(comm) -> MPI.Intracomm:
     return comm
 
 
-def _check_tensor(name: str, tensor) -> None:
+def _check_tensor(name: str, tensor, written: bool = False) -> None:
+    """Check a tensor argument; ``written``: MPI puts a result into it."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in _DATATYPES:
@@ -235,11 +250,14 @@ def _check_tensor(name: str, tensor) -> None:
         raise TypeError(f"{name} has dtype {tensor.dtype}, supported dtypes are {supported}")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {tensor.device}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {tuple(tensor.stride())} "
-                         f"for shape {tuple(tensor.shape)}; call .contiguous() first")
     if tensor.requires_grad:
         raise ValueError(f"{name} requires grad; communicate {name}.detach() instead")
+    if written and not tensor.is_contiguous() and any(
+            size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())):
+        # torch's copy_ refuses to write such a tensor: fail now, not after the collective
+        raise ValueError(f"{name} has elements that share memory (strides {tuple(tensor.stride())} "
+                         f"for shape {tuple(tensor.shape)}) and cannot receive a result; pass a "
+                         f"tensor of its own, such as {name}.clone()")
 
 
 @functools.cache
@@ -306,45 +324,58 @@ def reduction_path(dtype: torch.dtype, op: str = "sum") -> str:
 def _stage(inputs: tuple, outputs: tuple, host_only: bool = False):
     """Make tensors safe to hand to MPI; return (mpi inputs, mpi outputs, copy back or None).
 
-    Device tensors: synchronise their current streams (the producers); then, unless
-    the library is CUDA-aware (and ``host_only`` is False, as for reductions that
-    torch computes on the host), stage them through pinned host copies. A tensor
-    that is both input and output (in place) gets one host copy.
+    A contiguous tensor MPI can read goes as it is. Device memory the library
+    cannot read (it is not CUDA-aware, or ``host_only``, as for reductions that
+    torch computes on the host) gets a pinned host stand-in; a non-contiguous
+    tensor a contiguous stand-in on its own device. Inputs' stand-ins are filled
+    now, outputs' copied back by the returned step once MPI has finished; a
+    tensor that is both (in place) gets one stand-in. Device streams are
+    synchronised after the copies are queued, so MPI reads finished data.
     """
     tensors = inputs + outputs
-    on_device = [t for t in tensors if t.is_cuda]
-    if not on_device and not _STAGE_CPU:
-        return inputs, outputs, None
-    for device in {t.device for t in on_device}:
-        torch.cuda.current_stream(device).synchronize()
-    if on_device and _cuda.cuda_aware() and not host_only:
-        return inputs, outputs, None
+    if not _STAGE_CPU:
+        for tensor in tensors:
+            if tensor.is_cuda or not tensor.is_contiguous():
+                break
+        else:
+            return inputs, outputs, None
+    devices = {t.device for t in tensors if t.is_cuda}
+    device_to_host = bool(devices) and (host_only or not _cuda.cuda_aware())
     pinned = torch.cuda.is_available()
-    copies: dict[int, torch.Tensor] = {}
+    stand_ins: dict[int, torch.Tensor] = {}
 
-    def host_of(tensor, fill):
-        if id(tensor) not in copies:
-            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-            if fill:
+    def stand_in(tensor, fill):
+        if id(tensor) not in stand_ins:
+            if device_to_host and tensor.is_cuda or _STAGE_CPU and not tensor.is_cuda:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            elif not tensor.is_contiguous():
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            else:
+                copy = tensor
+            if fill and copy is not tensor:
                 copy.copy_(tensor)
-            copies[id(tensor)] = copy
-        return copies[id(tensor)]
+            stand_ins[id(tensor)] = copy
+        return stand_ins[id(tensor)]
 
-    host_inputs = tuple(host_of(t, True) for t in inputs)
-    host_outputs = tuple(host_of(t, False) for t in outputs)
+    mpi_inputs = tuple(stand_in(t, True) for t in inputs)
+    mpi_outputs = tuple(stand_in(t, False) for t in outputs)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    pairs = [(t, copy) for t, copy in zip(outputs, mpi_outputs) if copy is not t]
+    if not pairs:
+        return mpi_inputs, mpi_outputs, None
 
     def copy_back():
-        for tensor, copy in zip(outputs, host_outputs):
-            tensor.copy_(copy, non_blocking=pinned)
+        for tensor, copy in pairs:
+            tensor.copy_(copy, non_blocking=True)  # from pinned memory: ordered on the stream
 
-    return host_inputs, host_outputs, copy_back
+    return mpi_inputs, mpi_outputs, copy_back
 
 
 def _chain(*steps):
     steps = [step for step in steps if step is not None]
     if not steps:
         return None
-
 
     def run():
         for step in steps:
@@ -411,7 +442,7 @@ def _avg(tensor: torch.Tensor, op: str, size: int):
 
 
 def _allreduce(tensor, op, comm, nonblocking):
-    _check_tensor("tensor", tensor)
+    _check_tensor("tensor", tensor, written=True)
     _check_op(op, tensor.dtype)
     comm = _collective_comm(comm)
     if _DEBUG:
@@ -428,7 +459,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> torch.Tens
     """Reduce ``tensor`` across ranks in place.
 
     Args:
-        tensor: contiguous CPU tensor, overwritten with the result on every rank.
+        tensor: overwritten with the result on every rank.
         op: "sum", "avg", "min", "max" or "prod".
         comm: None, a ``Pool`` or an mpi4py communicator.
 
@@ -444,7 +475,7 @@ def iallreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> Handle:
 
 
 def _broadcast(tensor, root, comm, nonblocking):
-    _check_tensor("tensor", tensor)
+    _check_tensor("tensor", tensor, written=True)
     _check_root(root, _base(comm))
     comm = _collective_comm(comm)
     if _DEBUG:
@@ -481,7 +512,7 @@ def _check_scaled(big_name, big, small_name, small, size: int) -> None:
 
 
 def _allgather(output, tensor, comm, nonblocking):
-    _check_tensor("output", output)
+    _check_tensor("output", output, written=True)
     _check_tensor("tensor", tensor)
     _check_scaled("output", output, "tensor", tensor, _base(comm).Get_size())
     comm = _collective_comm(comm)
@@ -499,7 +530,7 @@ def allgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> torch
     """Gather ``tensor`` from every rank into ``output``, rank by rank along the flat order.
 
     Args:
-        output: contiguous tensor of ``world size * tensor.numel()`` elements.
+        output: tensor of ``world size * tensor.numel()`` elements.
         tensor: this rank's contribution.
         comm: None, a ``Pool`` or an mpi4py communicator.
 
@@ -515,7 +546,7 @@ def iallgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> Hand
 
 
 def _reduce_scatter(output, tensor, op, comm, nonblocking):
-    _check_tensor("output", output)
+    _check_tensor("output", output, written=True)
     _check_tensor("tensor", tensor)
     _check_op(op, tensor.dtype)
     _check_scaled("tensor", tensor, "output", output, _base(comm).Get_size())
@@ -536,7 +567,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     """Reduce ``tensor`` across ranks and leave block ``rank`` of the result in ``output``.
 
     Args:
-        output: contiguous tensor of ``tensor.numel() / world size`` elements.
+        output: tensor of ``tensor.numel() / world size`` elements.
         tensor: this rank's input, ``world size`` equal blocks in flat order.
         op: "sum", "avg", "min", "max" or "prod".
         comm: None, a ``Pool`` or an mpi4py communicator.
@@ -551,6 +582,331 @@ def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum",
                     comm=None) -> Handle:
     """Start ``reduce_scatter`` without blocking."""
     return _reduce_scatter(output, tensor, op, comm, True)
+
+
+def _reduce(tensor, root, op, comm, nonblocking):
+    _check_tensor("tensor", tensor, written=True)
+    _check_op(op, tensor.dtype)
+    _check_root(root, _base(comm))
+    comm = _collective_comm(comm)
+    if _DEBUG:
+        _check_same_call(comm, "reduce", nonblocking, op=repr(op), root=root,
+                         dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
+    reduction, native = _reduction(tensor.dtype, op)
+    if comm.Get_rank() != root:  # sends only: its tensor is left as it was
+        (staged,), _, _ = _stage((tensor,), (), host_only=not native)
+        return _start(comm, "Reduce", (_buffer(staged), None, reduction, root), (tensor, staged),
+                      tensor, None, nonblocking)
+    (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
+    args = (MPI.IN_PLACE, _buffer(staged), reduction, root)
+    return _start(comm, "Reduce", args, (tensor, staged), tensor,
+                  _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking)
+
+
+def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, comm=None) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks into ``tensor`` on rank ``root``.
+
+    Args:
+        tensor: this rank's input; on ``root`` overwritten with the result, elsewhere
+            left as it was.
+        root: the rank that receives the result.
+        op: "sum", "avg", "min", "max" or "prod".
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``tensor``.
+    """
+    return _reduce(tensor, root, op, comm, False)
+
+
+def ireduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, comm=None) -> Handle:
+    """Start ``reduce`` without blocking."""
+    return _reduce(tensor, root, op, comm, True)
+
+
+def _root_only(name: str, value, root: int, base: MPI.Intracomm) -> None:
+    if value is not None:
+        raise ValueError(f"{name} must be None on ranks other than the root ({root}), got a "
+                         f"{type(value).__name__} on rank {base.Get_rank()}")
+
+
+def _gather(tensor, output, root, comm, nonblocking):
+    _check_tensor("tensor", tensor)
+    base = _base(comm)
+    _check_root(root, base)
+    is_root = base.Get_rank() == root
+    if not is_root:
+        _root_only("output", output, root, base)
+    elif output is not None:
+        _check_tensor("output", output, written=True)
+        _check_scaled("output", output, "tensor", tensor, base.Get_size())
+    comm = _collective_comm(comm)
+    if _DEBUG:
+        _check_same_call(comm, "gather", nonblocking, root=root,
+                         dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
+    if not is_root:
+        (sent,), _, _ = _stage((tensor,), ())
+        return _start(comm, "Gather", (_buffer(sent), None, root), (tensor, sent), None, None,
+                      nonblocking)
+    if output is None:
+        output = tensor.new_empty((comm.Get_size(), *tensor.shape))
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    args = (_buffer(sent), _buffer(received, tensor.numel()), root)
+    return _start(comm, "Gather", args, (output, tensor, sent, received), output, copy_back,
+                  nonblocking)
+
+
+def gather(tensor: torch.Tensor, output: torch.Tensor | None = None, root: int = 0, *,
+           comm=None) -> torch.Tensor | None:
+    """Gather ``tensor`` from every rank into ``output`` on rank ``root``, rank by rank.
+
+    Args:
+        tensor: this rank's contribution (the same number of elements on every rank).
+        output: on ``root``, a tensor of ``world size * tensor.numel()`` elements, or None
+            for a new one of shape ``(world size, *tensor.shape)``; None on every other rank.
+        root: the rank that receives.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``output`` on ``root``, None elsewhere.
+    """
+    return _gather(tensor, output, root, comm, False)
+
+
+def igather(tensor: torch.Tensor, output: torch.Tensor | None = None, root: int = 0, *,
+            comm=None) -> Handle:
+    """Start ``gather`` without blocking; ``wait()`` returns ``output`` on ``root``, else None."""
+    return _gather(tensor, output, root, comm, True)
+
+
+def _scatter(output, tensor, root, comm, nonblocking):
+    _check_tensor("output", output, written=True)
+    base = _base(comm)
+    _check_root(root, base)
+    is_root = base.Get_rank() == root
+    if not is_root:
+        _root_only("tensor", tensor, root, base)
+    elif tensor is None:
+        raise ValueError(f"tensor is required on the root (rank {root}): world size "
+                         f"({base.Get_size()}) x output.numel() elements to scatter")
+    else:
+        _check_tensor("tensor", tensor)
+        _check_scaled("tensor", tensor, "output", output, base.Get_size())
+    comm = _collective_comm(comm)
+    if _DEBUG:
+        _check_same_call(comm, "scatter", nonblocking, root=root,
+                         dtype=_dtype_name(output.dtype), numel=output.numel())
+    if not is_root:
+        _, (received,), copy_back = _stage((), (output,))
+        return _start(comm, "Scatter", (None, _buffer(received), root), (output, received),
+                      output, copy_back, nonblocking)
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    args = (_buffer(sent, output.numel()), _buffer(received), root)
+    return _start(comm, "Scatter", args, (output, tensor, sent, received), output, copy_back,
+                  nonblocking)
+
+
+def scatter(output: torch.Tensor, tensor: torch.Tensor | None = None, root: int = 0, *,
+            comm=None) -> torch.Tensor:
+    """Give block ``rank`` of ``tensor`` on rank ``root`` to every rank's ``output``.
+
+    Args:
+        output: receives this rank's block (the same number of elements on every rank).
+        tensor: on ``root``, ``world size`` blocks of ``output.numel()`` elements in flat
+            order; None on every other rank.
+        root: the rank that sends.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``output``.
+    """
+    return _scatter(output, tensor, root, comm, False)
+
+
+def iscatter(output: torch.Tensor, tensor: torch.Tensor | None = None, root: int = 0, *,
+             comm=None) -> Handle:
+    """Start ``scatter`` without blocking."""
+    return _scatter(output, tensor, root, comm, True)
+
+
+def _vbuffer(tensor: torch.Tensor, counts: list[int]):
+    """A buffer spec of consecutive blocks of ``counts`` elements, one per rank."""
+    displacements = [0, *itertools.accumulate(counts)][:-1]
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), (counts, displacements),
+            _datatype(tensor.dtype)[0]]
+
+
+def _row_numel(name: str, tensor: torch.Tensor) -> int:
+    if tensor.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension to split into rows, "
+                         f"got a 0-d tensor")
+    return math.prod(tensor.shape[1:])
+
+
+def _rows_per_rank(name: str, splits, rows: int, size: int) -> list[int]:
+    """Check ``splits`` (None: equal) against a tensor of ``rows`` rows; return rows per rank."""
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{name} is None, so the first dimension must divide by the world "
+                             f"size ({size}), got {rows}")
+        return [rows // size] * size
+    if not isinstance(splits, (list, tuple)) or len(splits) != size:
+        raise ValueError(f"{name} must be a list of world size ({size}) row counts, got {splits!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in splits):
+        raise ValueError(f"{name} must hold ints >= 0, got {list(splits)}")
+    if sum(splits) != rows:
+        raise ValueError(f"{name} must add up to the first dimension ({rows}), "
+                         f"got {list(splits)} (sum {sum(splits)})")
+    return list(splits)
+
+
+def _check_splits_agree(comm: MPI.Intracomm, receives: list[int], sends: list[int],
+                        row_numel: int, dtype: torch.dtype) -> None:
+    """Check, on every rank alike, that each rank receives from each what the sender sends.
+
+    MPI requires every receive count to equal the matching send count; a smaller
+    one fails on the receiver alone, a larger one leaves garbage unnoticed.
+    """
+    code = _DTYPES.index(dtype)
+    outgoing = np.array([[rows, row_numel, code] for rows in sends], dtype=np.int64)
+    incoming = np.empty_like(outgoing)
+    comm.Alltoall([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T])
+    rank = comm.Get_rank()
+    faults = []
+    for peer, (rows, peer_row_numel, peer_code) in enumerate(incoming.tolist()):
+        if peer_row_numel != row_numel or peer_code != code:
+            faults.append(f"rank {peer} sends rows of {peer_row_numel} elements of "
+                          f"{_dtype_name(_DTYPES[peer_code])}, rank {rank} receives "
+                          f"rows of {row_numel} elements of {_dtype_name(dtype)}")
+        elif rows != receives[peer]:
+            faults.append(f"rank {peer}'s input_splits[{rank}] is {rows}, rank {rank}'s "
+                          f"output_splits[{peer}] is {receives[peer]}")
+    count = np.array([len(faults)], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX)
+    if count[0]:
+        faults = [fault for faults_of_rank in comm.allgather(faults) for fault in faults_of_rank]
+        more = f" (and {len(faults) - 4} more)" if len(faults) > 4 else ""
+        raise ValueError(f"alltoall splits disagree across ranks: {'; '.join(faults[:4])}{more}; "
+                         f"each rank's output_splits[j] must equal rank j's input_splits[rank], "
+                         f"of rows with the same number of elements and dtype")
+
+
+def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
+    _check_tensor("output", output, written=True)
+    _check_tensor("tensor", tensor)
+    if output.dtype != tensor.dtype:
+        raise TypeError(f"output and tensor must have the same dtype, "
+                        f"got {output.dtype} and {tensor.dtype}")
+    size = _base(comm).Get_size()
+    uneven = output_splits is not None or input_splits is not None
+    if uneven:
+        row_numel = _row_numel("tensor", tensor)
+        if _row_numel("output", output) != row_numel:
+            raise ValueError(f"output and tensor must have rows (all dimensions but the first) "
+                             f"of the same number of elements, got {_row_numel('output', output)} "
+                             f"and {row_numel}")
+        receives = _rows_per_rank("output_splits", output_splits, output.shape[0], size)
+        sends = _rows_per_rank("input_splits", input_splits, tensor.shape[0], size)
+    elif output.numel() != tensor.numel() or tensor.numel() % size:
+        raise ValueError(f"without splits, output and tensor must have the same number of "
+                         f"elements, divisible by the world size ({size}), got "
+                         f"{output.numel()} and {tensor.numel()}")
+    comm = _collective_comm(comm)
+    if _DEBUG:
+        shape = dict(splits="uneven", row_numel=row_numel) if uneven else dict(numel=tensor.numel())
+        _check_same_call(comm, "alltoall", nonblocking, dtype=_dtype_name(tensor.dtype), **shape)
+    if uneven:
+        _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype)
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    if uneven:
+        args = (_vbuffer(sent, [n * row_numel for n in sends]),
+                _vbuffer(received, [n * row_numel for n in receives]))
+    else:  # mpi4py counts both buffers per rank
+        args = (_buffer(sent, tensor.numel() // size), _buffer(received, tensor.numel() // size))
+    return _start(comm, "Alltoallv" if uneven else "Alltoall", args,
+                  (output, tensor, sent, received), output, copy_back, nonblocking)
+
+
+def alltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, input_splits=None, *,
+             comm=None) -> torch.Tensor:
+    """Send block ``j`` of ``tensor`` to rank ``j``, receiving block ``j`` of ``output`` from it.
+
+    Like torch's ``all_to_all_single``. Without splits, both tensors are world
+    size equal blocks in flat order. With splits, blocks are rows (slices along
+    the first dimension), and a None side is world size equal row blocks. The
+    splits are checked across ranks before the exchange (a small alltoall and
+    an allreduce, blocking even in ``ialltoall``): each rank's
+    ``output_splits[j]`` must equal rank ``j``'s ``input_splits[rank]``, or
+    every rank raises the same ``ValueError``.
+
+    Args:
+        output: receives the blocks, rank by rank.
+        tensor: the blocks to send, rank by rank (same dtype as ``output``).
+        output_splits: rows to receive from each rank, or None.
+        input_splits: rows to send to each rank, or None.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``output``.
+    """
+    return _alltoall(output, tensor, output_splits, input_splits, comm, False)
+
+
+def ialltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, input_splits=None,
+              *, comm=None) -> Handle:
+    """Start ``alltoall`` without blocking (the splits check before it does block)."""
+    return _alltoall(output, tensor, output_splits, input_splits, comm, True)
+
+
+def _allgatherv(tensor, comm, nonblocking):
+    _check_tensor("tensor", tensor)
+    row_shape = tuple(tensor.shape[1:])
+    _row_numel("tensor", tensor)
+    comm = _collective_comm(comm)
+    dtype = _dtype_name(tensor.dtype)
+    if _DEBUG:
+        _check_same_call(comm, "allgatherv", nonblocking, dtype=dtype, row_shape=row_shape)
+    headers = comm.allgather((tensor.shape[0], row_shape, dtype))
+    kinds = [(shape, name) for _, shape, name in headers]
+    if kinds.count(kinds[0]) != len(kinds):
+        ranks_of: dict[tuple, list[int]] = {}
+        for rank, kind in enumerate(kinds):
+            ranks_of.setdefault(kind, []).append(rank)
+        held = "; ".join(f"{_ranks(ranks)}: rows of shape {shape}, {name}"
+                         for (shape, name), ranks in ranks_of.items())
+        raise ValueError(f"allgatherv: tensors must have the same dtype and the same shape after "
+                         f"the first dimension on every rank, got {held}")
+    sizes = [rows for rows, _, _ in headers]
+    output = tensor.new_empty((sum(sizes), *row_shape))
+    row_numel = math.prod(row_shape)
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    args = (_buffer(sent), _vbuffer(received, [rows * row_numel for rows in sizes]))
+    return _start(comm, "Allgatherv", args, (output, tensor, sent, received), (output, sizes),
+                  copy_back, nonblocking)
+
+
+def allgatherv(tensor: torch.Tensor, *, comm=None) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate every rank's ``tensor`` along the first dimension, which may differ by rank.
+
+    Like Horovod's ``allgather``: the other dimensions and the dtype must be the
+    same on every rank (checked in the first step, a small allgather of the
+    shapes, which blocks even in ``iallgatherv``; a mismatch raises the same
+    ``ValueError`` on every rank).
+
+    Args:
+        tensor: this rank's rows, at least one dimension.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        (a new tensor of every rank's rows in rank order, on ``tensor``'s device;
+        the number of rows from each rank). ``output.split(sizes)`` gives each rank's.
+    """
+    return _allgatherv(tensor, comm, False)
+
+
+def iallgatherv(tensor: torch.Tensor, *, comm=None) -> Handle:
+    """Start ``allgatherv`` without blocking; ``wait()`` returns ``(output, sizes)``."""
+    return _allgatherv(tensor, comm, True)
 
 
 def _barrier_comm(comm, nonblocking: bool) -> MPI.Intracomm:
@@ -633,7 +989,7 @@ class _Receive:
 
 
 def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
-    _check_tensor("tensor", tensor)
+    _check_tensor("tensor", tensor, written=True)
     base = _base(comm)
     if source is not None:
         _check_peer("source", source, base)
@@ -655,7 +1011,7 @@ def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None
     """Receive into ``tensor`` from ``source`` (None: any rank).
 
     Args:
-        tensor: contiguous CPU tensor; the message must have exactly its size.
+        tensor: receives the message, which must have exactly its size.
         source: rank to receive from (not this rank), or None for any other.
         tag: message tag, or None for any.
         comm: None, a ``Pool`` or an mpi4py communicator.

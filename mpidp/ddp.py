@@ -246,6 +246,14 @@ class DistributedDataParallel(nn.Module):
         if overlap not in _overlap.NAMES:
             raise ValueError(f"overlap must be one of {', '.join(map(repr, _overlap.NAMES))}, "
                              f"got {overlap!r}")
+        torch_sync_bn = [name for name, child in module.named_modules()
+                         if isinstance(child, nn.SyncBatchNorm)]
+        if torch_sync_bn:
+            raise ValueError(
+                f"module holds torch.nn.SyncBatchNorm ({', '.join(map(repr, torch_sync_bn))}), "
+                f"which needs torch.distributed and would compute local statistics here; "
+                f"convert it with mpidp.SyncBatchNorm.convert_sync_batchnorm(module) (or "
+                f"nn.BatchNorm for local statistics) before wrapping")
         self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named = self._named_params(module)
         if not named:
@@ -276,6 +284,7 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self._over_world = comm is None and process_group is None
         self._closed = False
+        self._join: _JoinConfig | None = None
         self.pool = self.control = self.reducer = None
         self._connect(base, device)
         if init_sync and self.pool.size > 1:
@@ -389,13 +398,16 @@ class DistributedDataParallel(nn.Module):
             self.reducer.settle()
             self.reducer.raise_pending_error()
             self.reducer.check_parameters()
+            root = 0
+            if self._join is not None:
+                root = self._notify_join()  # may raise on every rank: count nothing before
             if self.require_backward_grad_sync and self.training:
                 self.reducer.count_forward()
             if (self.require_backward_grad_sync and self.forward_sync_buffers
                     and self.pool.size > 1):
                 buffers = self._buffers_to_sync()
                 if buffers:
-                    broadcast_coalesced(buffers, comm=self.control)
+                    broadcast_coalesced(buffers, root, comm=self.control)
         if self.device_ids:
             device = self.device_ids[0]
             move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -420,6 +432,100 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    # -- uneven inputs ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs: ranks that ran out of data shadow the others until all have.
+
+        torch's ``DistributedDataParallel.join``. Inside the context, every
+        grad-enabled forward tells the other ranks that this rank is still
+        active (one small allreduce). A rank that leaves the context (its data
+        ran out) then stands in for every synced step the others still take:
+        it broadcasts the buffers with them and reduces zeros in every bucket.
+        When every rank has left, the model of the last rank to leave (the
+        highest such rank) is broadcast to all, as torch does.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size
+                (joined ranks count as zeros), or by the number of ranks still
+                active in that step (False).
+            enable: False makes the context do nothing.
+            throw_on_early_termination: raise on every rank, at the first step
+                after any rank ran out of data, instead of shadowing.
+        """
+        for name, value in (("divide_by_initial_world_size", divide_by_initial_world_size),
+                            ("enable", enable),
+                            ("throw_on_early_termination", throw_on_early_termination)):
+            _check_flag(name, value)
+        if not enable:
+            yield
+            return
+        if self._join is not None:
+            raise RuntimeError("DistributedDataParallel.join() is already active; do not nest it")
+        if self.reducer is None:
+            self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
+        config = self._join = _JoinConfig(divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+        except BaseException:
+            self._join = None  # as torch: the exception goes on, no shadowing
+            self.reducer.set_divisor(self.pool.size)
+            raise
+        try:
+            self._shadow_until_all_joined(config)
+        finally:
+            self._join = None
+            self.reducer.set_divisor(self.pool.size)
+
+    def _join_verdict(self, active: torch.Tensor, config: "_JoinConfig") -> tuple[int, int]:
+        """From the summed activity vector: (active ranks, the highest of them); maybe raise."""
+        world = self.pool.size
+        ranks = active[:world].nonzero().flatten().tolist()
+        if config.throw and len(ranks) < world:
+            joined = sorted(set(range(world)) - set(ranks))
+            raise RuntimeError(f"DistributedDataParallel.join: rank(s) {joined} ran out of inputs "
+                               f"and throw_on_early_termination=True, so every rank raises")
+        return len(ranks), ranks[-1] if ranks else -1
+
+    def _notify_join(self) -> int:
+        """An active rank's forward inside join(): say so; return the buffers' source rank."""
+        world, rank = self.pool.size, self.pool.rank
+        active = torch.zeros(world + 1, dtype=torch.int64)
+        active[rank] = 1
+        active[world] = int(self.require_backward_grad_sync)
+        _comm.allreduce(active, "sum", comm=self.control)
+        count, authority = self._join_verdict(active, self._join)
+        self.reducer.set_divisor(world if self._join.divide_by_initial else count)
+        # torch's rule under join: buffers come from the highest active rank,
+        # since rank 0 may have joined and hold stale ones.
+        return authority
+
+    def _shadow_until_all_joined(self, config: "_JoinConfig") -> None:
+        world, rank = self.pool.size, self.pool.rank
+        last_joiner = True
+        while True:
+            active = torch.zeros(world + 1, dtype=torch.int64)
+            _comm.allreduce(active, "sum", comm=self.control)
+            if not active[:world].any():
+                break
+            last_joiner = False
+            _, authority = self._join_verdict(active, config)
+            if not active[world]:
+                continue  # the active ranks are inside no_sync: nothing to stand in for
+            buffers = self._buffers_to_sync() if self.forward_sync_buffers else []
+            if buffers and world > 1:
+                broadcast_coalesced(buffers, authority, comm=self.control)
+            self.reducer.shadow()
+        # Every rank has joined: the last one to join holds the final model.
+        source = torch.tensor([rank if last_joiner else -1], dtype=torch.int64)
+        _comm.allreduce(source, "max", comm=self.control)
+        if world > 1:
+            broadcast_coalesced(list(self.module.parameters()) +
+                                (self._buffers_to_sync() if self.forward_sync_buffers else []),
+                                int(source), comm=self.control)
 
     # -- release and serialisation -----------------------------------------------------
 
@@ -466,6 +572,16 @@ class DistributedDataParallel(nn.Module):
         # The copy has no communicators yet: its first grad-enabled forward
         # builds them (collective); evaluation under no_grad needs none.
         super().__setstate__(state)
+
+
+class _JoinConfig:
+    """The settings of one ``join()`` context."""
+
+    __slots__ = ("divide_by_initial", "throw")
+
+    def __init__(self, divide_by_initial: bool, throw: bool):
+        self.divide_by_initial = divide_by_initial
+        self.throw = throw
 
 
 DDP = DistributedDataParallel

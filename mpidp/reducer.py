@@ -147,6 +147,7 @@ class Reducer:
         self.control = control
         self.world = pool.size
         self.strategy = _overlap.make(overlap, pool, chunk_bytes, self.params[0].device)
+        self._divisor = self.world  # what gradients are divided by (join(): the active ranks)
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -157,8 +158,8 @@ class Reducer:
         self._layout_key = [(param.dtype, param.device) for param in self.params]
         self._build(self._assign())
         n = len(self.params)
-        # counts per parameter, then [failed, step number, step number squared]
-        self._used = torch.zeros(n + 3, dtype=torch.int64)
+        # counts per parameter, then [failed, step number, its square, joined]
+        self._used = torch.zeros(n + 4, dtype=torch.int64)
         self._used_flags = self._used.numpy()
         self._step: _Step | None = None
         self._steps = 0  # this rank's step number, compared across ranks at every step
@@ -245,6 +246,24 @@ class Reducer:
                     f"the module was converted after DistributedDataParallel wrapped it. "
                     f"Convert through the wrapper (ddp.to(...), ddp.double(), ...), which "
                     f"rebuilds the buckets on every rank, or wrap the converted module.")
+
+    def set_divisor(self, divisor: int) -> None:
+        """Divide the coming steps' gradients by ``divisor`` (default: the world size)."""
+        self._divisor = divisor
+
+    def shadow(self) -> None:
+        """Stand in, with zeros, for a synced step of the other ranks (collective; join()).
+
+        Issues exactly the collectives of a real step, in the same order: every
+        bucket, then the per-step bookkeeping (which tells the others that this
+        rank has joined, so its zeros are not taken for missing gradients),
+        then the sparse gathers and the order rebuild where a step does them.
+        """
+        self.settle()
+        step = self._step = _Step(len(self.params), self.layout, [])
+        step.state = _RUNNING
+        self._count(step)
+        self._finish(step, failed=False, joined=True)
 
     def settle(self) -> None:
         """Finish a step whose backward raised part-way (collective when there is one).
@@ -377,10 +396,10 @@ class Reducer:
             elif grad is None:
                 view.zero_()
             elif grad.data_ptr() == view.data_ptr():
-                if self.world > 1:
-                    view.div_(self.world)
+                if self._divisor > 1:
+                    view.div_(self._divisor)
             else:
-                torch.div(grad, self.world, out=view)
+                torch.div(grad, self._divisor, out=view)
         position = self._position[id(bucket)]
         step.pending[position] -= 1
         if step.pending[position] == 0:
@@ -392,14 +411,14 @@ class Reducer:
         # did not take part) goes through a spare buffer and leaves .grad alone.
         if arrived and grad is not None and grad.is_contiguous():
             bucket.buffer = grad.view(-1)
-            bucket.divisor = self.world  # divided chunk by chunk by the strategy
+            bucket.divisor = self._divisor  # divided chunk by chunk by the strategy
             return
         if bucket.spare is None:
             bucket.spare = torch.empty(param.numel(), dtype=param.dtype, device=param.device)
         if grad is None:
             bucket.spare.zero_()
         else:
-            torch.div(grad.reshape(-1), self.world, out=bucket.spare)
+            torch.div(grad.reshape(-1), self._divisor, out=bucket.spare)
         bucket.buffer = bucket.spare
         bucket.divisor = 1
 
@@ -420,28 +439,30 @@ class Reducer:
             self._finish(step, failed=False)
         # _ARMED: this backward reached no parameter; the step waits for the next one.
 
-    def _finish(self, step: _Step, failed: bool) -> None:
+    def _finish(self, step: _Step, failed: bool, joined: bool = False) -> None:
         """Launch what is left, wait for everything, then agree across ranks on the outcome."""
         step.state = _DONE
         n = len(self.params)
         try:
-            if self.static_graph and self._expected is None and not failed:
+            if self.static_graph and self._expected is None and not (failed or joined):
                 # first static step: nothing was marked in the hooks
                 for index in range(n):
                     if step.fired[index] and not step.ready[index]:
                         self._mark_ready(step, index, arrived=True)
             for index in range(n):
                 if not step.ready[index]:
-                    self._mark_ready(step, index, zero=failed)
+                    self._mark_ready(step, index, zero=failed or joined)
         finally:
-            self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2)
+            if joined:
+                self._used_flags[:n] = 0
+            self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2, int(joined))
             used = _comm.iallreduce(self._used, "sum", comm=self.control)
             try:
                 self.strategy.finish()
             finally:
                 counts = used.wait().tolist()
                 self._used.zero_()
-        failed_ranks, total, squares = counts[n:]
+        failed_ranks, total, squares, joined_ranks = counts[n:]
         if failed_ranks or squares * self.world != total * total:
             for bucket in self.buckets:
                 if bucket.solo:
@@ -449,12 +470,13 @@ class Reducer:
             self._arrival = [] if self._arrival is not None else None
             self._disagreement(failed, failed_ranks)
             return
-        self._reduce_sparse(counts)
-        self._copy_back(counts)
-        if self.static_graph and self._expected is None:
-            self._expected = list(step.fired)
-        if not self.find_unused and not self.static_graph:
-            self._error = self._missing_error(counts)
+        self._reduce_sparse(counts, joined)
+        if not joined:
+            self._copy_back(counts)
+            if self.static_graph and self._expected is None:
+                self._expected = list(step.fired)
+            if not self.find_unused and not self.static_graph:
+                self._error = self._missing_error(counts, self.world - joined_ranks)
         if self._arrival is not None:
             self._rebuild_in_arrival_order()
 
@@ -482,12 +504,15 @@ class Reducer:
             f"all ranks and must not be used: call optimizer.zero_grad() and go on with the "
             f"next step on every rank (catch this error where those ranks catch theirs).")
 
-    def _reduce_sparse(self, counts: list[int]) -> None:
+    def _reduce_sparse(self, counts: list[int], joined: bool) -> None:
         for index in self.sparse:
             if self.find_unused and counts[index] == 0:
                 continue
             param = self.params[index]
-            param.grad = _sparse.allreduce_average(param.grad, param, comm=self.control)
+            average = _sparse.allreduce_average(None if joined else param.grad, param,
+                                                comm=self.control, divisor=self._divisor)
+            if not joined:
+                param.grad = average
 
     def _copy_back(self, counts: list[int]) -> None:
         for bucket, members in zip(self.buckets, self.layout):
@@ -525,9 +550,9 @@ class Reducer:
         else:
             unpack(bucket.spare, [param.grad])
 
-    def _missing_error(self, counts: list[int]) -> RuntimeError | None:
-        missing = [f"{self.names[i]} (missing on {self.world - c} of {self.world} ranks)"
-                   for i, c in enumerate(counts[:len(self.params)]) if c < self.world]
+    def _missing_error(self, counts: list[int], active: int) -> RuntimeError | None:
+        missing = [f"{self.names[i]} (missing on {active - c} of {active} ranks)"
+                   for i, c in enumerate(counts[:len(self.params)]) if c < active]
         if not missing:
             return None
         return RuntimeError(

@@ -37,7 +37,7 @@ def _gather_rows(rows: torch.Tensor, counts: list[int], comm: MPI.Intracomm) -> 
 
 
 def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
-                      comm: MPI.Intracomm) -> torch.Tensor:
+                      comm: MPI.Intracomm, divisor: int | None = None) -> torch.Tensor:
     """Return the average over the ranks of ``comm`` of each rank's sparse ``grad`` (collective).
 
     Args:
@@ -45,11 +45,12 @@ def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
             or None (contributes nothing).
         param: the parameter (gives the shape, dtype and device of the result).
         comm: the ranks to average over; every rank calls this in the same order.
+        divisor: what the sum is divided by (default: the size of ``comm``).
 
     Returns:
         A coalesced sparse COO tensor on ``param``'s device.
     """
-    world = comm.Get_size()
+    divisor = comm.Get_size() if divisor is None else divisor
     if grad is None:
         grad = _empty_like_grad(param)
     elif not grad.is_sparse:
@@ -59,7 +60,7 @@ def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
         raise ValueError(f"sparse gradients must have one sparse dimension (embedding rows), "
                          f"got {grad.sparse_dim()} for shape {tuple(grad.shape)}")
     indices = grad.indices()[0].contiguous()
-    values = (grad.values() / world).contiguous()
+    values = (grad.values() / divisor).contiguous()
     counts = comm.allgather(indices.numel())
     all_indices = _gather_rows(indices, counts, comm)
     all_values = _gather_rows(values, counts, comm)

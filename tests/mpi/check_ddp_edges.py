@@ -484,6 +484,9 @@ def test_torch_keywords_are_accepted_or_refused_clearly():
         mpidp.DistributedDataParallel(model, comm=MPI.COMM_WORLD, process_group=MPI.COMM_WORLD)
     with pytest.raises(TypeError, match="static_graph must be a bool, got 1"):
         mpidp.DistributedDataParallel(model, static_graph=1)
+    with pytest.raises(ValueError, match=r"module holds torch.nn.SyncBatchNorm \('1'\).*"
+                                         r"mpidp.SyncBatchNorm.convert_sync_batchnorm"):
+        mpidp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)))
 
 
 @multi_rank

@@ -1,0 +1,205 @@
+"""Python objects over MPI: pickled broadcast and allgather, and averages of numbers for logging.
+
+Objects are pickled (protocol 5) and the bytes sent as one buffer message, so
+a large object costs a pickle, one collective and an unpickle, and messages
+past 2 GiB go through MPI's large-count calls (mpi4py picks them). What could
+fail on one rank only is agreed on before anyone goes on: an object that
+cannot be pickled, or a message that cannot be unpickled, raises the same
+error on every rank instead of leaving the others waiting in a collective.
+
+``comm`` is taken as in ``mpidp.comm``: None (the default pool), a ``Pool``
+(its next member) or an mpi4py communicator; each call runs all its steps on
+that one communicator, so it may be interleaved with tensor collectives as long
+as every rank makes the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import pickle
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import comm as _comm
+
+__all__ = ["broadcast_object", "allgather_object", "average"]
+
+
+def _dumps(obj) -> tuple[bytes | None, str | None]:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as err:  # pickling runs arbitrary __reduce__ code
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _loads(data) -> tuple[object, str | None]:
+    try:
+        return pickle.loads(data), None
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _raise_together(comm: MPI.Intracomm, error: str | None, kind: type, what: str) -> None:
+    """Raise ``kind`` on every rank if ``error`` is set on any, naming the ranks and their errors.
+
+    A cheap allreduce when all went well; the messages travel only when not.
+    """
+    failed = np.array([error is not None], dtype=np.int32)
+    comm.Allreduce(MPI.IN_PLACE, [failed, MPI.INT], MPI.MAX)
+    if failed[0]:
+        raise kind(f"{what} {_by_rank(comm.allgather(error))}")
+
+
+def _by_rank(errors: list) -> str:
+    ranks_of: dict[str, list[int]] = {}
+    for rank, error in enumerate(errors):
+        if error is not None:
+            ranks_of.setdefault(error, []).append(rank)
+    return "; ".join(f"{_comm._ranks(ranks)}: {error}" for error, ranks in ranks_of.items())
+
+
+def _start(comm, name: str, **fields) -> MPI.Intracomm:
+    """Take the communicator a call runs on (arguments already checked)."""
+    mpi = _comm._collective_comm(comm)
+    if _comm._DEBUG:
+        _comm._check_same_call(mpi, name, False, **fields)
+    return mpi
+
+
+def broadcast_object(obj, root: int = 0, *, comm=None):
+    """Return rank ``root``'s ``obj`` on every rank (collective).
+
+    Args:
+        obj: the object to send on ``root`` (any picklable object); ignored elsewhere.
+        root: the rank that sends.
+        comm: None, an ``mpidp.comm.Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``obj`` itself on ``root``, an unpickled copy elsewhere.
+
+    Raises:
+        pickle.PicklingError: on every rank, if ``root``'s object cannot be pickled.
+        pickle.UnpicklingError: on every rank, if a rank cannot unpickle it.
+    """
+    _comm._check_root(root, _comm._base(comm))
+    mpi = _start(comm, "broadcast_object", root=root)
+    is_root = mpi.Get_rank() == root
+    data, error = _dumps(obj) if is_root else (None, None)
+    nbytes, error = mpi.bcast((None if data is None else len(data), error), root)
+    if error is not None:
+        raise pickle.PicklingError(f"broadcast_object: rank {root}'s object cannot be pickled: "
+                                   f"{error}")
+    buffer = data if is_root else bytearray(nbytes)
+    mpi.Bcast([buffer, nbytes, MPI.BYTE], root)
+    result, error = (obj, None) if is_root else _loads(buffer)
+    _raise_together(mpi, error, pickle.UnpicklingError,
+                    f"broadcast_object: rank {root}'s object cannot be unpickled on")
+    return result
+
+
+def allgather_object(obj, *, comm=None) -> list:
+    """Return every rank's ``obj``, in rank order, on every rank (collective).
+
+    Args:
+        obj: this rank's object (any picklable object; sizes may differ by rank).
+        comm: None, an ``mpidp.comm.Pool`` or an mpi4py communicator.
+
+    Returns:
+        A list with one entry per rank: this rank's own ``obj`` itself, unpickled
+        copies of the others'.
+
+    Raises:
+        pickle.PicklingError: on every rank, if a rank's object cannot be pickled.
+        pickle.UnpicklingError: on every rank, if a rank cannot unpickle another's.
+    """
+    mpi = _start(comm, "allgather_object")
+    data, error = _dumps(obj)
+    headers = mpi.allgather((None if data is None else len(data), error))
+    errors = [error for _, error in headers]
+    if any(error is not None for error in errors):
+        raise pickle.PicklingError(f"allgather_object: an object cannot be pickled on "
+                                   f"{_by_rank(errors)}")
+    counts = [nbytes for nbytes, _ in headers]
+    offsets = [0, *itertools.accumulate(counts)]
+    buffer = bytearray(offsets[-1])
+    mpi.Allgatherv([data, len(data), MPI.BYTE], [buffer, (counts, offsets[:-1]), MPI.BYTE])
+    view, rank = memoryview(buffer), mpi.Get_rank()
+    results, error = [], None
+    for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        if peer == rank:
+            results.append(obj)
+            continue
+        result, failure = _loads(view[start:end])
+        results.append(result)
+        if failure is not None and error is None:
+            error = f"rank {peer}'s object: {failure}"
+    _raise_together(mpi, error, pickle.UnpicklingError,
+                    "allgather_object: an object cannot be unpickled on")
+    return results
+
+
+def _number(value):
+    """``value`` as a float, or a message saying why it is not a number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, numbers.Real):
+        return float(value), None
+    return None, f"{type(value).__name__}"
+
+
+def _numbers(value) -> tuple[object, str | None]:
+    """(float or dict of floats, None) or (None, what is wrong with ``value``)."""
+    if isinstance(value, dict):
+        numbers_of = {}
+        for key, item in value.items():
+            number, kind = _number(item)
+            if kind is not None:
+                return None, f"value of {key!r} is a {kind}, not a number"
+            numbers_of[key] = number
+        return numbers_of, None
+    number, kind = _number(value)
+    if kind is not None:
+        return None, f"value is a {kind}, not a number or a dict of numbers"
+    return number, None
+
+
+def average(value, *, comm=None):
+    """Average a number, or each number of a dict, over the ranks (collective), for logging.
+
+    The sum runs in rank order in float64 on every rank, so every rank gets the
+    same result, bit for bit.
+
+    Args:
+        value: a real number (a Python or numpy number, or a one-element tensor),
+            or a dict of them; a dict must have the same keys on every rank (in any order).
+        comm: None, an ``mpidp.comm.Pool`` or an mpi4py communicator.
+
+    Returns:
+        A float, or a dict of floats with this rank's key order.
+
+    Raises:
+        TypeError: on every rank, if a rank's value is not a number or a dict of numbers,
+            or ranks mix numbers and dicts.
+        ValueError: on every rank, if the dicts' keys differ across ranks.
+    """
+    mpi = _start(comm, "average")
+    local, error = _numbers(value)
+    gathered = mpi.allgather((local, error))
+    errors = [error for _, error in gathered]
+    if any(error is not None for error in errors):
+        raise TypeError(f"average: {_by_rank(errors)}")
+    values = [local for local, _ in gathered]
+    kinds = ["dict" if isinstance(v, dict) else "number" for v in values]
+    if kinds.count(kinds[0]) != len(kinds):
+        raise TypeError(f"average: ranks mix numbers and dicts: {_by_rank(kinds)}")
+    if kinds[0] == "number":
+        return sum(values) / len(values)  # builtin sum: left to right, in rank order
+    keys = [sorted(map(repr, v)) for v in values]
+    if keys.count(keys[0]) != len(keys):
+        described = [f"keys {', '.join(k)}" for k in keys]
+        raise ValueError(f"average: the dicts' keys differ across ranks: {_by_rank(described)}; "
+                         f"every rank must report the same keys")
+    return {key: sum(v[key] for v in values) / len(values) for key in local}
