@@ -107,9 +107,9 @@ class Runner:
             wrapped.reducer.strategy.poll = lambda: None
         finish = wrapped.reducer._finish
 
-        def timed_finish(*args):
+        def timed_finish(*args, **kwargs):
             start = time.perf_counter()
-            finish(*args)
+            finish(*args, **kwargs)
             self.wait = time.perf_counter() - start
 
         wrapped.reducer._finish = timed_finish

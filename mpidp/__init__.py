@@ -1,26 +1,45 @@
 """mpidp: MPI-native data-parallel training for PyTorch.
 
-Importing mpidp initialises MPI through mpi4py and, under ``mpiexec`` with more
-than one rank, makes an uncaught exception on any rank abort the whole job
-(see ``mpidp.runtime``; ``MPIDP_ABORT_ON_EXCEPTION=0`` turns that off). It
-also sets torch's intra-op threads to the cores this rank is bound to, unless
-``OMP_NUM_THREADS`` is set (see ``mpidp.topology``; ``MPIDP_SET_THREADS=0``).
+In the process that ``mpiexec``/``srun`` launched, importing mpidp initialises
+MPI through mpi4py (asking for ``MPI_THREAD_MULTIPLE``), makes an uncaught
+exception or a non-zero ``sys.exit`` on any rank abort the whole job (see
+``mpidp.runtime``; ``MPIDP_ABORT_ON_EXCEPTION=0`` turns that off), sets torch's
+intra-op threads to this rank's share of its cores unless ``OMP_NUM_THREADS``
+is set (see ``mpidp.topology``; ``MPIDP_SET_THREADS=0``), and pins the local
+rank's GPU (``mpidp.cuda``). Every rank must import it: the start-up talks to
+the other ranks.
+
+In a process that ``multiprocessing`` started (a DataLoader worker under fork,
+spawn or forkserver, which re-import the main script), importing mpidp does
+none of this and never touches MPI; calling anything that needs MPI there
+raises ``RuntimeError``.
 """
 
-from . import comm, cuda, kernels, runtime, topology
+# runtime first: it decides, before anything imports mpi4py.MPI, whether that
+# import may initialise MPI (not in a multiprocessing child).
+from . import runtime  # isort: skip
+from . import comm, cuda, kernels, objects, optimizer, topology, watchdog
 from .ddp import DDP, DistributedDataParallel
+from .objects import allgather_object, average, broadcast_object
+from .optimizer import broadcast_optimizer_state
 from .runtime import abort_on_exception, barrier, local_rank, local_size, rank, size
 from .sampler import DistributedSampler
+from .syncbn import SyncBatchNorm
 from .topology import topology as rank_topology
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DistributedDataParallel", "DDP", "DistributedSampler",
+    "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm",
+    "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
-    "comm", "cuda", "kernels", "runtime", "topology", "rank_topology", "__version__",
+    "comm", "cuda", "kernels", "objects", "optimizer", "runtime", "topology", "watchdog",
+    "rank_topology",
+    "__version__",
 ]
 
-runtime._install_default_hook()
-topology._apply_default_threads()
-cuda._start_up()  # pins this rank's GPU and decides, on every rank alike, how MPI sees it
+if not runtime.in_multiprocessing_child():
+    runtime._start()  # MPI ready; the abort hooks
+    watchdog.start()  # collective: its communicator; then the stall watchdog's thread
+    topology._apply_default_threads()  # collective over the node: each rank's share of cores
+    cuda._start_up()  # pins this rank's GPU and decides, on every rank alike, how MPI sees it

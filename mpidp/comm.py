@@ -38,6 +38,10 @@ the communicator it is about to use, that all ranks made the same call: the
 same collective (blocking or not), op, root, dtype and element count. A
 mismatch raises the same ``ValueError`` on every rank, naming each rank's call,
 instead of hanging or corrupting memory.
+
+Every blocking MPI call here (and ``Handle.wait``) records what it is for the
+stall watchdog, which reports a call that waits past ``MPIDP_TIMEOUT``; see
+``mpidp.watchdog``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from mpi4py import MPI
 from . import _env
 from . import cuda as _cuda
 from . import runtime as _runtime
+from . import watchdog as _watchdog
 
 __all__ = [
     "OPS", "Handle", "Pool", "default_pool",
@@ -107,19 +112,25 @@ class Handle:
     progress).
     """
 
-    __slots__ = ("_request", "_tensors", "_finish", "_result", "__weakref__")
+    __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "__weakref__")
 
-    def __init__(self, request, tensors, result, finish=None):
+    def __init__(self, request, tensors, result, finish=None, label=None):
         self._request = request
         self._tensors = tensors
         self._result = result
         self._finish = finish
+        self._label = label  # what wait() waits in, for stall reports (mpidp.watchdog)
+        self._scope = _watchdog.context()
         _in_flight.add(self)
 
     def wait(self):
         """Block until the operation completes; return its result."""
         if self._request is not None:
-            self._settle(self._request.Wait)
+            slot = _watchdog.begin(self._label, self._scope, True)
+            try:
+                self._settle(self._request.Wait)
+            finally:
+                slot.current = None
         return self._result
 
     def is_completed(self) -> bool:
@@ -160,7 +171,11 @@ class Pool:
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
-        self.comms = [base.Dup() for _ in range(size)]
+        slot = _watchdog.begin("MPI_Comm_dup for a Pool (collective)")
+        try:
+            self.comms = [base.Dup() for _ in range(size)]
+        finally:
+            slot.current = None
         self._next = 0
 
     @property
@@ -192,7 +207,9 @@ def default_pool() -> Pool:
     which is collective.
     """
     _runtime.require_mpi()
-    return Pool(MPI.COMM_WORLD, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1, integer=True)))
+    pool = Pool(MPI.COMM_WORLD, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1, integer=True)))
+    _watchdog.start()  # collective over COMM_WORLD, as the pool's creation; no-op once started
+    return pool
 
 
 # A forked child must not reuse the parent's cached pool: forgetting it makes
@@ -206,8 +223,8 @@ def _base(comm) -> MPI.Intracomm:
     Takes no pool member and creates no default pool: an argument error found
     with it leaves this rank in step with the others.
     """
+    _runtime.require_mpi()  # one flag; a clear error in a multiprocessing child
     if comm is None:
-        _runtime.require_mpi()
         return MPI.COMM_WORLD
     if isinstance(comm, Pool):
         if not comm.comms:
@@ -399,7 +416,12 @@ def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields
     allgather and reach the same decision.
     """
     args = ", ".join(f"{key}={value}" for key, value in fields.items())
-    calls = comm.allgather(f"{'i' if nonblocking else ''}{name}({args})")
+    call = f"{'i' if nonblocking else ''}{name}({args})"
+    slot = _watchdog.begin(f"the MPIDP_DEBUG check of {call}")
+    try:
+        calls = comm.allgather(call)
+    finally:
+        slot.current = None
     if calls.count(calls[0]) == len(calls):
         return
     ranks_of: dict[str, list[int]] = {}
@@ -411,27 +433,26 @@ def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields
                      f"in the same order")
 
 
-def _ranks(ranks: list[int]) -> str:
-    """Name sorted ranks, folding consecutive runs: 'rank 3', 'ranks 0-2, 5'."""
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and spans[-1][1] == rank - 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+_ranks = _watchdog._ranks  # 'rank 3', 'ranks 0-2, 5': one way of naming ranks in messages
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocking: bool):
-    """Run MPI collective ``name`` (blocking) or its ``I``-form, returning tensor or Handle."""
+def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocking: bool,
+           label=None):
+    """Run MPI collective ``name`` (blocking) or its ``I``-form, returning tensor or Handle.
+
+    ``label`` names the call in stall reports (``mpidp.watchdog``), built only then.
+    """
     if nonblocking:
-        return Handle(getattr(comm, "I" + name.lower())(*args), keep, result, finish)
-    getattr(comm, name)(*args)
+        return Handle(getattr(comm, "I" + name.lower())(*args), keep, result, finish, label)
+    slot = _watchdog.begin(label)
+    try:
+        getattr(comm, name)(*args)
+    finally:
+        slot.current = None
     if finish is not None:
         finish()
     return result
@@ -452,7 +473,8 @@ def _allreduce(tensor, op, comm, nonblocking):
     (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
     args = (MPI.IN_PLACE, _buffer(staged), reduction)
     return _start(comm, "Allreduce", args, (tensor, staged), tensor,
-                  _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking)
+                  _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking,
+                  ("allreduce", tensor, "op", op))
 
 
 def allreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> torch.Tensor:
@@ -483,7 +505,7 @@ def _broadcast(tensor, root, comm, nonblocking):
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     (staged,), _, copy_back = _stage((tensor,), (tensor,))
     return _start(comm, "Bcast", (_buffer(staged), root), (tensor, staged), tensor, copy_back,
-                  nonblocking)
+                  nonblocking, ("broadcast", tensor, "root", root))
 
 
 def _check_root(root, comm: MPI.Intracomm) -> None:
@@ -523,7 +545,7 @@ def _allgather(output, tensor, comm, nonblocking):
     # mpi4py counts the receive buffer per rank, like the send buffer.
     args = (_buffer(sent), _buffer(received, tensor.numel()))
     return _start(comm, "Allgather", args, (output, tensor, sent, received),
-                  output, copy_back, nonblocking)
+                  output, copy_back, nonblocking, ("allgather", tensor))
 
 
 def allgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> torch.Tensor:
@@ -559,7 +581,8 @@ def _reduce_scatter(output, tensor, op, comm, nonblocking):
     # mpi4py counts the send buffer per block, like the receive buffer.
     args = (_buffer(sent, output.numel()), _buffer(received), reduction)
     return _start(comm, "Reduce_scatter_block", args, (output, tensor, sent, received), output,
-                  _chain(_avg(received, op, comm.Get_size()), copy_back), nonblocking)
+                  _chain(_avg(received, op, comm.Get_size()), copy_back), nonblocking,
+                  ("reduce_scatter", tensor, "op", op))
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", *,
@@ -596,11 +619,12 @@ def _reduce(tensor, root, op, comm, nonblocking):
     if comm.Get_rank() != root:  # sends only: its tensor is left as it was
         (staged,), _, _ = _stage((tensor,), (), host_only=not native)
         return _start(comm, "Reduce", (_buffer(staged), None, reduction, root), (tensor, staged),
-                      tensor, None, nonblocking)
+                      tensor, None, nonblocking, ("reduce", tensor, "op", op, "root", root))
     (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
     args = (MPI.IN_PLACE, _buffer(staged), reduction, root)
     return _start(comm, "Reduce", args, (tensor, staged), tensor,
-                  _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking)
+                  _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking,
+                  ("reduce", tensor, "op", op, "root", root))
 
 
 def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, comm=None) -> torch.Tensor:
@@ -647,13 +671,13 @@ def _gather(tensor, output, root, comm, nonblocking):
     if not is_root:
         (sent,), _, _ = _stage((tensor,), ())
         return _start(comm, "Gather", (_buffer(sent), None, root), (tensor, sent), None, None,
-                      nonblocking)
+                      nonblocking, ("gather", tensor, "root", root))
     if output is None:
         output = tensor.new_empty((comm.Get_size(), *tensor.shape))
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     args = (_buffer(sent), _buffer(received, tensor.numel()), root)
     return _start(comm, "Gather", args, (output, tensor, sent, received), output, copy_back,
-                  nonblocking)
+                  nonblocking, ("gather", tensor, "root", root))
 
 
 def gather(tensor: torch.Tensor, output: torch.Tensor | None = None, root: int = 0, *,
@@ -699,11 +723,11 @@ def _scatter(output, tensor, root, comm, nonblocking):
     if not is_root:
         _, (received,), copy_back = _stage((), (output,))
         return _start(comm, "Scatter", (None, _buffer(received), root), (output, received),
-                      output, copy_back, nonblocking)
+                      output, copy_back, nonblocking, ("scatter", output, "root", root))
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     args = (_buffer(sent, output.numel()), _buffer(received), root)
     return _start(comm, "Scatter", args, (output, tensor, sent, received), output, copy_back,
-                  nonblocking)
+                  nonblocking, ("scatter", output, "root", root))
 
 
 def scatter(output: torch.Tensor, tensor: torch.Tensor | None = None, root: int = 0, *,
@@ -816,7 +840,11 @@ def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
         shape = dict(splits="uneven", row_numel=row_numel) if uneven else dict(numel=tensor.numel())
         _check_same_call(comm, "alltoall", nonblocking, dtype=_dtype_name(tensor.dtype), **shape)
     if uneven:
-        _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype)
+        slot = _watchdog.begin(("alltoall's splits check", tensor))
+        try:
+            _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype)
+        finally:
+            slot.current = None
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     if uneven:
         args = (_vbuffer(sent, [n * row_numel for n in sends]),
@@ -824,7 +852,8 @@ def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
     else:  # mpi4py counts both buffers per rank
         args = (_buffer(sent, tensor.numel() // size), _buffer(received, tensor.numel() // size))
     return _start(comm, "Alltoallv" if uneven else "Alltoall", args,
-                  (output, tensor, sent, received), output, copy_back, nonblocking)
+                  (output, tensor, sent, received), output, copy_back, nonblocking,
+                  ("alltoall", tensor))
 
 
 def alltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, input_splits=None, *,
@@ -866,7 +895,11 @@ def _allgatherv(tensor, comm, nonblocking):
     dtype = _dtype_name(tensor.dtype)
     if _DEBUG:
         _check_same_call(comm, "allgatherv", nonblocking, dtype=dtype, row_shape=row_shape)
-    headers = comm.allgather((tensor.shape[0], row_shape, dtype))
+    slot = _watchdog.begin(("allgatherv's shape exchange", tensor))
+    try:
+        headers = comm.allgather((tensor.shape[0], row_shape, dtype))
+    finally:
+        slot.current = None
     kinds = [(shape, name) for _, shape, name in headers]
     if kinds.count(kinds[0]) != len(kinds):
         ranks_of: dict[tuple, list[int]] = {}
@@ -882,7 +915,7 @@ def _allgatherv(tensor, comm, nonblocking):
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     args = (_buffer(sent), _vbuffer(received, [rows * row_numel for rows in sizes]))
     return _start(comm, "Allgatherv", args, (output, tensor, sent, received), (output, sizes),
-                  copy_back, nonblocking)
+                  copy_back, nonblocking, ("allgatherv", tensor))
 
 
 def allgatherv(tensor: torch.Tensor, *, comm=None) -> tuple[torch.Tensor, list[int]]:
@@ -918,12 +951,17 @@ def _barrier_comm(comm, nonblocking: bool) -> MPI.Intracomm:
 
 def barrier(*, comm=None) -> None:
     """Block until every rank of ``comm`` has entered the barrier."""
-    _barrier_comm(comm, False).Barrier()
+    comm = _barrier_comm(comm, False)
+    slot = _watchdog.begin("barrier")
+    try:
+        comm.Barrier()
+    finally:
+        slot.current = None
 
 
 def ibarrier(*, comm=None) -> Handle:
     """Start a barrier without blocking."""
-    return Handle(_barrier_comm(comm, True).Ibarrier(), (), None)
+    return Handle(_barrier_comm(comm, True).Ibarrier(), (), None, label="barrier")
 
 
 def _check_peer(name: str, peer, comm: MPI.Intracomm) -> None:
@@ -953,7 +991,8 @@ def isend(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> Handle
     _check_tag(tag)
     comm = _p2p_comm(comm)
     (staged,), _, _ = _stage((tensor,), ())
-    return Handle(comm.Isend(_buffer(staged), dest, tag), (tensor, staged), tensor)
+    return Handle(comm.Isend(_buffer(staged), dest, tag), (tensor, staged), tensor,
+                  label=("send", tensor, "dest", dest, "tag", tag))
 
 
 class _Receive:
@@ -1003,7 +1042,9 @@ def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
     tag = MPI.ANY_TAG if tag is None else tag
     _, (staged,), copy_back = _stage((), (tensor,))
     receive = _Receive(comm.Irecv(_buffer(staged), source, tag), tensor)
-    return Handle(receive, (tensor, staged), tensor, _chain(receive.check_count, copy_back)), receive
+    label = ("recv", tensor, "source", "any" if source == MPI.ANY_SOURCE else source)
+    finish = _chain(receive.check_count, copy_back)
+    return Handle(receive, (tensor, staged), tensor, finish, label), receive
 
 
 def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None, *,

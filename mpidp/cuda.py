@@ -2,7 +2,7 @@
 
 The decision is made once, at import, and is the same on every rank:
 
-1. ``MPIDP_CUDA_AWARE=0`` or ``=1`` overrides everything;
+1. ``MPIDP_CUDA_AWARE`` overrides everything (1/true/yes/on or 0/false/no/off);
 2. without a GPU visible to torch, communication is host-only;
 3. otherwise the library is asked (MPICH's ``MPIX_GPU_query_support``, Open
    MPI's ``MPIX_Query_cuda_support``, Cray MPICH's ``MPICH_GPU_SUPPORT_ENABLED``);
@@ -13,6 +13,9 @@ The decision is made once, at import, and is the same on every rank:
 
 ``MPIDP_STAGE_CPU=1`` sends CPU tensors through the staging path too; the test
 suite uses it to exercise staging where no GPU exists.
+
+The start-up (pinning the local rank's GPU, the decision) runs when mpidp is
+imported in the launched process, never in a multiprocessing child.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import os
 
 import torch
 from mpi4py import MPI
+
+from . import _env, runtime
 
 __all__ = ["Decision", "decide", "library_reports_cuda", "decision", "cuda_aware", "local_device"]
 
@@ -61,7 +66,7 @@ def decide(override: str | None, has_gpu: bool, reported: bool | None, probe) ->
     """Combine the override, the hardware, the library's word and the probe (called last).
 
     Args:
-        override: ``MPIDP_CUDA_AWARE`` ("0", "1" or None).
+        override: ``MPIDP_CUDA_AWARE`` read by ``_env.flag`` and normalised ("0", "1" or None).
         has_gpu: whether torch sees a GPU.
         reported: ``library_reports_cuda()``.
         probe: a callable returning True if a device allreduce gave the right answer
@@ -87,7 +92,6 @@ def decide(override: str | None, has_gpu: bool, reported: bool | None, probe) ->
 
 def local_device() -> torch.device:
     """This rank's GPU: the one of its local rank (modulo the GPUs on the node)."""
-    from . import runtime
     return torch.device("cuda", runtime.local_rank() % torch.cuda.device_count())
 
 
@@ -109,8 +113,10 @@ def _probe() -> bool:
 @functools.cache
 def decision() -> Decision:
     """The start-up decision (collective on ``MPI.COMM_WORLD`` when a GPU is visible)."""
+    runtime.require_mpi()
     has_gpu = torch.cuda.is_available()
-    result = decide(os.environ.get("MPIDP_CUDA_AWARE"), has_gpu,
+    override = _env.flag("MPIDP_CUDA_AWARE", None)  # any accepted spelling, normalised for decide
+    result = decide(None if override is None else str(int(override)), has_gpu,
                     library_reports_cuda() if has_gpu else None, _probe)
     if has_gpu:  # every rank must agree, whatever each one saw
         agreed = MPI.COMM_WORLD.allreduce(int(result.cuda_aware), op=MPI.MIN)
@@ -126,7 +132,7 @@ def cuda_aware() -> bool:
 
 def stage_cpu() -> bool:
     """Testing aid: route CPU tensors through the staging path (``MPIDP_STAGE_CPU=1``)."""
-    return os.environ.get("MPIDP_STAGE_CPU") == "1"
+    return _env.flag("MPIDP_STAGE_CPU", False)
 
 
 def _start_up() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from numbers import Real
 
 import torch
@@ -12,7 +13,8 @@ from torch.utils._pytree import tree_map_only
 
 from . import comm as _comm
 from . import overlap as _overlap
-from . import runtime, topology
+from . import watchdog as _watchdog
+from . import runtime, syncbn, topology
 from .kernels import pack, unpack
 from .reducer import Reducer
 
@@ -190,6 +192,12 @@ class DistributedDataParallel(nn.Module):
             buckets and are reduced in place (fusing them saves no latency and
             copying them costs memory bandwidth); None puts every gradient in
             a bucket, as torch does.
+        timeout: seconds a collective of a training step (bucket allreduce,
+            bookkeeping allreduce, buffer broadcast) may wait before the stall
+            watchdog reports the ranks' states and, by default, aborts the job
+            (``mpidp.watchdog``); 0 never reports them; None (default): the
+            process-wide timeout, ``MPIDP_TIMEOUT`` (600 s) or
+            ``mpidp.watchdog.set_timeout()``. Other collectives keep that one.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -204,11 +212,12 @@ class DistributedDataParallel(nn.Module):
                  comm: MPI.Intracomm | None = None, pool_size: int = 2,
                  first_bucket_mb: float | None = None, predict_gradient_order: bool = True,
                  overlap: str = "auto", chunk_mb: float = 4,
-                 inplace_threshold_mb: float | None = 1):
+                 inplace_threshold_mb: float | None = 1, timeout: float | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         base = _base_comm(comm, process_group)
+        _watchdog.check_timeout("timeout", timeout)
         for name, value, instead in (
                 ("delay_all_reduce_named_params", delay_all_reduce_named_params,
                  "leave those parameters out with requires_grad=False and reduce them yourself "
@@ -283,6 +292,7 @@ class DistributedDataParallel(nn.Module):
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
         self._over_world = comm is None and process_group is None
+        self._timeout = timeout
         self._closed = False
         self._join: _JoinConfig | None = None
         self.pool = self.control = self.reducer = None
@@ -344,6 +354,8 @@ class DistributedDataParallel(nn.Module):
         topology.warn_about_binding(base, stacklevel=4)  # names the line that built this DDP
         self.pool = _comm.Pool(base, self._options["pool_size"])
         self.control = base.Dup()
+        if base == MPI.COMM_WORLD:
+            _watchdog.start()  # collective over COMM_WORLD, as this is; a no-op once started
         self.reducer = self._make_reducer(settings["overlap"])
 
     def _make_reducer(self, overlap: str) -> Reducer:
@@ -360,7 +372,7 @@ class DistributedDataParallel(nn.Module):
                        chunk_bytes=int(options["chunk_mb"] * _MB),
                        solo_bytes=None if solo is None else int(solo * _MB),
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],
-                       static_graph=options["static_graph"])
+                       static_graph=options["static_graph"], timeout=self._timeout)
 
     def _apply(self, fn, recurse=True):
         # .to(), .double(), .half(), .cuda() ... on the wrapper: rebuild the
@@ -407,7 +419,10 @@ class DistributedDataParallel(nn.Module):
                     and self.pool.size > 1):
                 buffers = self._buffers_to_sync()
                 if buffers:
-                    broadcast_coalesced(buffers, root, comm=self.control)
+                    with _watchdog.Scope("DDP buffer broadcast in the forward of step {}",
+                                         self.reducer._steps, timeout=self._timeout,
+                                         source="DistributedDataParallel(timeout=)"):
+                        broadcast_coalesced(buffers, root, comm=self.control)
         if self.device_ids:
             device = self.device_ids[0]
             move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -467,13 +482,27 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("DistributedDataParallel.join() is already active; do not nest it")
         if self.reducer is None:
             self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
+        layers = [m for m in self.module.modules() if isinstance(m, syncbn.SyncBatchNorm)]
+        if layers and runtime.thread_level() < MPI.THREAD_MULTIPLE:
+            raise ValueError("join() with mpidp.SyncBatchNorm layers needs MPI_THREAD_MULTIPLE "
+                             "(a joined rank stands in for their backward collectives from a "
+                             "second thread), but MPI granted a lower thread level")
         config = self._join = _JoinConfig(divide_by_initial_world_size, throw_on_early_termination)
+        # The last step's order of SyncBatchNorm collectives on this rank: what
+        # it replays with zeros once joined (module order if it never ran a step).
+        config.trace = ([(layer, "stats") for layer in layers] +
+                        [(layer, "grads") for layer in reversed(layers)])
+        if layers:
+            syncbn.record([])
         try:
             yield
         except BaseException:
             self._join = None  # as torch: the exception goes on, no shadowing
             self.reducer.set_divisor(self.pool.size)
+            syncbn.record(None)
             raise
+        if layers:
+            config.trace = syncbn.record(None) or config.trace
         try:
             self._shadow_until_all_joined(config)
         finally:
@@ -498,6 +527,8 @@ class DistributedDataParallel(nn.Module):
         active[world] = int(self.require_backward_grad_sync)
         _comm.allreduce(active, "sum", comm=self.control)
         count, authority = self._join_verdict(active, self._join)
+        if syncbn._trace is not None:  # a new step: the last one's order is complete
+            self._join.trace = syncbn.record([]) or self._join.trace
         self.reducer.set_divisor(world if self._join.divide_by_initial else count)
         # torch's rule under join: buffers come from the highest active rank,
         # since rank 0 may have joined and hold stale ones.
@@ -513,12 +544,15 @@ class DistributedDataParallel(nn.Module):
                 break
             last_joiner = False
             _, authority = self._join_verdict(active, config)
-            if not active[world]:
-                continue  # the active ranks are inside no_sync: nothing to stand in for
-            buffers = self._buffers_to_sync() if self.forward_sync_buffers else []
-            if buffers and world > 1:
-                broadcast_coalesced(buffers, authority, comm=self.control)
-            self.reducer.shadow()
+            if active[world]:  # the active ranks' forward will sync (not inside no_sync)
+                buffers = self._buffers_to_sync() if self.forward_sync_buffers else []
+                if buffers and world > 1:
+                    broadcast_coalesced(buffers, authority, comm=self.control)
+            for layer, kind in config.trace:
+                if kind == "stats":
+                    layer._shadow_forward()
+            self._shadow_backward([layer for layer, kind in config.trace if kind == "grads"],
+                                  buckets=bool(active[world]))
         # Every rank has joined: the last one to join holds the final model.
         source = torch.tensor([rank if last_joiner else -1], dtype=torch.int64)
         _comm.allreduce(source, "max", comm=self.control)
@@ -526,6 +560,34 @@ class DistributedDataParallel(nn.Module):
             broadcast_coalesced(list(self.module.parameters()) +
                                 (self._buffers_to_sync() if self.forward_sync_buffers else []),
                                 int(source), comm=self.control)
+
+    def _shadow_backward(self, layers: list, buckets: bool) -> None:
+        # The active ranks' backward interleaves the SyncBatchNorm collectives
+        # (on their communicator) with the bucket allreduces (on the pool) in an
+        # order only their autograd engine knows; a second thread takes the
+        # layers' part so that neither sequence can block the other. (MPI never
+        # matches a nonblocking collective with a blocking one, so posting them
+        # nonblocking would not do.)
+        failure: list[BaseException] = []
+
+        def layers_part():
+            try:
+                for layer in layers:
+                    layer._shadow_backward()
+            except BaseException as error:  # re-raised below, on this thread
+                failure.append(error)
+
+        helper = threading.Thread(target=layers_part, name="mpidp-join-syncbn", daemon=True)
+        if layers:
+            helper.start()
+        try:
+            if buckets:
+                self.reducer.shadow()
+        finally:
+            if layers:
+                helper.join()
+        if failure:
+            raise failure[0]
 
     # -- release and serialisation -----------------------------------------------------
 
@@ -577,11 +639,12 @@ class DistributedDataParallel(nn.Module):
 class _JoinConfig:
     """The settings of one ``join()`` context."""
 
-    __slots__ = ("divide_by_initial", "throw")
+    __slots__ = ("divide_by_initial", "throw", "trace")
 
     def __init__(self, divide_by_initial: bool, throw: bool):
         self.divide_by_initial = divide_by_initial
         self.throw = throw
+        self.trace: list = []  # (SyncBatchNorm layer, "stats" or "grads") in call order
 
 
 DDP = DistributedDataParallel

@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from . import comm as _comm
 from . import runtime
+from . import watchdog as _watchdog
 
 __all__ = ["STRATEGIES", "make"]
 
@@ -109,13 +110,17 @@ class Threaded(_Strategy):
         self._thread.start()
 
     def _run(self) -> None:
+        slot = _watchdog.slot()
         while (item := self._queue.get()) is not None:
             try:
                 if self._error is None:
-                    self._reduce(*item)
+                    # A stall report names the bucket and the training thread's call site.
+                    *work, slot.context, slot.site = item
+                    self._reduce(*work)
             except BaseException as error:  # re-raised on the training thread
                 self._error = error
             finally:
+                slot.context = slot.site = None
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -137,7 +142,7 @@ class Threaded(_Strategy):
                 self._streams[buffer.device] = torch.cuda.Stream(buffer.device)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(buffer.device))
-        self._queue.put((buffer, divisor, ready))
+        self._queue.put((buffer, divisor, ready, *_watchdog.handoff()))
 
     def finish(self) -> None:
         self._queue.join()

@@ -48,12 +48,21 @@ import torch
 from . import comm as _comm
 from . import overlap as _overlap
 from . import sparse as _sparse
+from . import watchdog as _watchdog
 from .buckets import Bucket, assign_buckets
 from .kernels import unpack
 
 __all__ = ["Reducer", "find_tensors", "reachable_parameters"]
 
 _ARMED, _RUNNING, _DONE = "armed", "running", "done"
+_TIMEOUT_SOURCE = "DistributedDataParallel(timeout=)"
+
+
+def _bucket_label(step: int, index: int, count: int, buffer: torch.Tensor) -> str:
+    """How a stall report names a bucket's allreduce (built only for a report)."""
+    size = buffer.numel() * buffer.element_size()
+    amount = f"{size / 2**20:.1f} MB" if size >= 2**20 // 10 else f"{size / 1024:.1f} KB"
+    return f"DDP step {step} bucket {index}/{count} ({amount})"
 
 
 def find_tensors(obj) -> list[torch.Tensor]:
@@ -134,6 +143,8 @@ class Reducer:
         static_graph: learn in the first step how often each parameter's
             gradient is accumulated per backward (reentrant checkpointing may
             do it several times) and which are unused, then rely on it.
+        timeout: seconds each collective of a step may wait before the stall
+            watchdog reports it (0: never); None: the process-wide timeout.
     """
 
     def __init__(self, named_params, pool: _comm.Pool, control, *, bucket_cap_bytes: int,
@@ -141,8 +152,9 @@ class Reducer:
                  gradient_as_bucket_view: bool, predict_order: bool = True,
                  overlap: str = "auto", chunk_bytes: int = 4 << 20,
                  solo_bytes: int | None = None, sparse: Sequence[int] = (),
-                 static_graph: bool = False):
+                 static_graph: bool = False, timeout: float | None = None):
         self.names = [name for name, _ in named_params]
+        self.timeout = timeout
         self.params = [param for _, param in named_params]
         self.control = control
         self.world = pool.size
@@ -428,7 +440,9 @@ class Reducer:
         while step.next_launch < len(self.buckets) and step.pending[step.next_launch] == 0:
             bucket = self.buckets[step.next_launch]
             step.next_launch += 1
-            self.strategy.start(bucket.buffer, bucket.divisor)
+            with _watchdog.Scope(_bucket_label, self._steps, step.next_launch, len(self.buckets),
+                                 bucket.buffer, timeout=self.timeout, source=_TIMEOUT_SOURCE):
+                self.strategy.start(bucket.buffer, bucket.divisor)
 
     # -- end of a step ----------------------------------------------------------------
 
@@ -456,7 +470,9 @@ class Reducer:
             if joined:
                 self._used_flags[:n] = 0
             self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2, int(joined))
-            used = _comm.iallreduce(self._used, "sum", comm=self.control)
+            with _watchdog.Scope("DDP step {} bookkeeping allreduce", self._steps,
+                                 timeout=self.timeout, source=_TIMEOUT_SOURCE):
+                used = _comm.iallreduce(self._used, "sum", comm=self.control)
             try:
                 self.strategy.finish()
             finally:

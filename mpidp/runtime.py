@@ -1,32 +1,148 @@
-"""Process-level MPI facts and the job-wide abort on an uncaught exception.
+"""Where MPI starts, process-level MPI facts, and the job-wide abort.
 
-Importing mpidp initialises MPI through mpi4py (thread level MULTIPLE, the
-mpi4py default). Under ``mpiexec`` with more than one rank, an uncaught
-exception on any rank prints its traceback and calls ``MPI_Abort`` so the other
-ranks do not wait forever in a collective. Set ``MPIDP_ABORT_ON_EXCEPTION=0``
-before importing mpidp, or call ``abort_on_exception(False)``, to keep Python's
-default behaviour.
+**Where MPI starts.** MPI belongs to the process that ``mpiexec``/``srun``
+launched, and mpidp initialises it there at import: importing mpidp imports
+``mpi4py.MPI``, which initialises MPI at once (mpi4py's ``rc.initialize``), so
+code that uses mpi4py directly after ``import mpidp`` keeps working. A process
+that ``multiprocessing`` started (a DataLoader worker, under fork, spawn or
+forkserver) must never initialise MPI: spawn and forkserver re-import the main
+script in the worker, and an MPI started there fails to reach the launcher.
+There, importing mpidp turns mpi4py's automatic initialisation and
+finalisation off before ``mpi4py.MPI`` is first imported (so ``import mpidp``
+first, then ``from mpi4py import MPI``, is safe in a worker too), skips all of
+mpidp's start-up, and anything of mpidp that needs MPI raises ``RuntimeError``.
+``require_mpi()`` is that one check; every mpidp entry point that talks MPI
+calls it. If MPI is not initialised yet in the launched process (the user set
+``mpi4py.rc.initialize = False`` before importing mpidp), ``require_mpi()``
+initialises it, the only place mpidp does, and finalises it at exit.
+
+Initialising at import in the launched process, rather than lazily on first
+use, is deliberate: import already needs MPI there (threads per rank, the CUDA
+decision, and the abort hooks ask the other ranks), and mpi4py users expect an
+initialised MPI once it is imported.
+
+**Thread level.** mpidp asks for ``MPI_THREAD_MULTIPLE`` (mpi4py's default
+``rc.thread_level``), which its communication thread needs. A lower
+``mpi4py.rc.thread_level`` set before importing mpidp is honoured, and an MPI
+the user initialised first is taken as it is; ``thread_level()`` returns what
+the library granted.
+
+**Abort.** Under ``mpiexec`` with more than one rank, an uncaught exception on
+any rank prints a one-line summary, then its traceback, and calls
+``MPI_Abort``, so the other ranks do not wait forever in a collective. A rank
+leaving with a non-zero status through ``sys.exit(...)``, ``exit(...)`` or
+``quit(...)`` aborts the job the same way; a bare ``raise SystemExit(3)``
+cannot be seen (Python hands its status to no hook) and still hangs the others.
+Set ``MPIDP_ABORT_ON_EXCEPTION=0`` before importing mpidp, or call
+``abort_on_exception(False)``, to keep Python's default behaviour.
 """
 
 from __future__ import annotations
 
+import atexit
+import builtins
+import dis
+import fcntl
 import functools
+import multiprocessing
 import os
+import stat
 import sys
+import termios
+import time
 import traceback
 
-from mpi4py import MPI
+import mpi4py
+
+from . import _env
 
 __all__ = ["rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
-           "require_mpi", "thread_level"]
+           "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child"]
+
+
+def _started_by_multiprocessing() -> bool:
+    """Whether multiprocessing started this process, or is preparing it (per CPython 3.11)."""
+    if multiprocessing.parent_process() is not None:  # set in every child once it runs
+        return True
+    # spawn and forkserver re-import __main__, and unpickle the process object,
+    # with this flag set and parent_process() still None.
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return True
+    # The forkserver itself imports set_forkserver_preload() modules outside that window.
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    frame = sys._getframe() if forkserver is not None else None
+    while frame is not None:
+        if frame.f_code is forkserver.main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_child = _started_by_multiprocessing()
+if _child:
+    # Must run before anything imports mpi4py.MPI: that import initialises MPI.
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+
+from mpi4py import MPI  # noqa: E402  (initialises MPI here, in the launched process)
+
+_ready = False  # MPI checked and usable in this process: require_mpi()'s fast path
+
+
+def _forked() -> None:
+    global _child, _ready
+    _child, _ready = True, False
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def in_multiprocessing_child() -> bool:
+    """Whether this process was started by multiprocessing (or forked): no MPI here."""
+    return _child
+
+
+_LEVELS = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
+           "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
+
+
+def thread_level_name(level: int) -> str:
+    """``MPI.THREAD_SERIALIZED`` -> ``"serialized"``."""
+    return {value: name for name, value in _LEVELS.items()}.get(level, str(level))
 
 
 def require_mpi() -> None:
-    """Make sure MPI is initialised in this process; every mpidp entry point that talks MPI calls it.
+    """Make sure MPI is usable in this process; every mpidp entry point that talks MPI calls it.
 
-    (Placeholder: MPI is initialised when mpi4py is imported. Issue 8, item 12
-    makes this the one place MPI starts, and refuses in a multiprocessing child.)
+    Raises:
+        RuntimeError: in a process started by multiprocessing (or forked), where MPI
+            must not be used, or after MPI was finalised.
     """
+    if not _ready:
+        _start_mpi()
+
+
+def _start_mpi() -> None:
+    global _ready
+    if _child:
+        raise RuntimeError(
+            "MPI is not available in a multiprocessing child (a DataLoader worker, a Pool "
+            "worker, a forked process): only the process that mpiexec/srun launched talks "
+            "to MPI. Read mpidp.rank()/size() there and pass them to the worker")
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI has already been finalized in this process")
+    if not MPI.Is_initialized():  # mpi4py.rc.initialize was False: mpidp starts MPI
+        if mpi4py.rc.threads:
+            MPI.Init_thread(_LEVELS[mpi4py.rc.thread_level])
+        else:
+            MPI.Init()
+        atexit.register(_finalize)  # registered first, so it runs after the abort check
+    _ready = True
+
+
+def _finalize() -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def thread_level() -> int:
@@ -37,17 +153,20 @@ def thread_level() -> int:
 
 def rank() -> int:
     """Return this process's rank in ``MPI.COMM_WORLD``."""
+    require_mpi()
     return MPI.COMM_WORLD.Get_rank()
 
 
 def size() -> int:
     """Return the number of processes in ``MPI.COMM_WORLD``."""
+    require_mpi()
     return MPI.COMM_WORLD.Get_size()
 
 
 @functools.cache
 def _node_comm() -> MPI.Intracomm:
     # Collective over COMM_WORLD; cached so every rank calls it exactly once.
+    require_mpi()
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
 
 
@@ -63,34 +182,177 @@ def local_size() -> int:
 
 def barrier() -> None:
     """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier``."""
+    require_mpi()
     MPI.COMM_WORLD.Barrier()
 
 
+# --- abort -----------------------------------------------------------------------------
+
 _python_excepthook = sys.excepthook
+_python_exit = sys.exit
+_python_quitters = {name: getattr(builtins, name) for name in ("exit", "quit")
+                    if hasattr(builtins, name)}  # absent under python -S
+_abort_enabled = False
+_DRAIN_SECONDS = 2.0  # longest wait for the launcher to read our output before MPI_Abort
+_GRACE_SECONDS = 0.1  # then time for it to pass the output on
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+
+
+def _unread_bytes(fd: int) -> int:
+    """Bytes written to the pipe behind ``fd`` that its reader has not taken yet (0 if not a pipe)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+    except OSError:
+        return 0
+
+
+def _abort(lines: list[str], status: int) -> None:
+    """Print ``lines`` on stderr, each prefixed with the rank, let them reach the user, abort."""
+    prefix = f"[mpidp rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}] "
+    text = "".join(prefix + line + "\n" for block in lines for line in block.splitlines())
+    for stream in (sys.stdout, sys.stderr):  # what the program printed comes first
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop the abort
+            pass
+    _write_all(2, text.encode(errors="replace"))
+    # MPI_Abort makes the launcher kill every process and tear down the pipes
+    # that carry output; what it has not read by then is lost (measured: 1 in
+    # 30 aborts at 2 ranks under MPICH's hydra lost the whole message). So wait
+    # until it has read stdout and stderr, then give it a moment to pass them on.
+    deadline = time.monotonic() + _DRAIN_SECONDS
+    while (_unread_bytes(1) or _unread_bytes(2)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(_GRACE_SECONDS)
+    MPI.COMM_WORLD.Abort(status)
+    os._exit(status)  # MPI_Abort was seen to return when called from a thread (MPICH 5.0)
 
 
 def _abort_excepthook(exc_type, exc, tb) -> None:
-    lines = traceback.format_exception(exc_type, exc, tb)
-    prefix = f"[mpidp rank {rank()}/{size()}] "
-    sys.stderr.write(prefix + "uncaught exception, aborting the MPI job:\n")
-    sys.stderr.write("".join(prefix + line for text in lines for line in text.splitlines(True)))
-    sys.stderr.flush()
-    sys.stdout.flush()
-    MPI.COMM_WORLD.Abort(1)
+    if not _ready:  # a forked child inherited the hook: MPI is not ours to abort
+        _python_excepthook(exc_type, exc, tb)
+        return
+    summary = "".join(traceback.format_exception_only(exc_type, exc))
+    _abort([summary, "uncaught exception; aborting the MPI job. Traceback:",
+            "".join(traceback.format_exception(exc_type, exc, tb))], 1)
+
+
+# sys.exit() raises SystemExit, which never reaches sys.excepthook: the rank
+# would call MPI_Finalize and wait there for ranks that wait for it. Python
+# hands the exit status to no hook, so mpidp remembers the status of each
+# sys.exit/exit/quit call together with where __main__'s module code stood, and
+# at exit aborts if __main__ ended right there (its code did not move on, as it
+# would after catching the SystemExit). A bare `raise SystemExit(3)` calls
+# nothing mpidp can wrap.
+_main_frame = None  # the frame running __main__'s module code
+_exit_request = None  # (SystemExit.code, _main_frame.f_lasti) of the latest call
+
+
+def _find_main_frame():
+    main = sys.modules.get("__main__")
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is getattr(main, "__dict__", None):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _remember(exc: SystemExit) -> None:
+    global _exit_request
+    if _main_frame is not None:
+        _exit_request = (exc.code, _main_frame.f_lasti)
+
+
+def _exit(status=None, /):
+    try:
+        _python_exit(status)
+    except SystemExit as exc:
+        _remember(exc)
+        raise
+
+
+class _Quitter:
+    """``exit``/``quit`` as the site module makes them, remembering the status."""
+
+    def __init__(self, quitter):
+        self._quitter = quitter
+
+    def __repr__(self):
+        return repr(self._quitter)
+
+    def __call__(self, code=None):
+        try:
+            self._quitter(code)
+        except SystemExit as exc:
+            _remember(exc)
+            raise
+
+
+def _exit_status(code) -> int:
+    # As Python turns SystemExit.code into the process's exit status.
+    if code is None:
+        return 0
+    return int(code) & 0xFF if isinstance(code, int) else 1  # the OS keeps the low 8 bits
+
+
+def _status_main_exits_with() -> int | None:
+    """The status of the sys.exit call that ended __main__, or None if it did not end that way."""
+    if _exit_request is None or _main_frame is None:
+        return None
+    code, position = _exit_request
+    final = _main_frame.f_lasti
+    # RERAISE: the SystemExit passed through a try/finally (or except: raise) in the module code.
+    if final != position and dis.opname[_main_frame.f_code.co_code[final]] != "RERAISE":
+        return None
+    return _exit_status(code)
+
+
+def _abort_on_exit_status() -> None:
+    if not (_abort_enabled and _ready) or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    status = _status_main_exits_with()
+    if status:
+        code = _exit_request[0]
+        _abort([f"exiting with status {status} (SystemExit({code!r})); aborting the MPI job, "
+                f"whose other ranks may be waiting for this one"], status)
 
 
 def abort_on_exception(enable: bool = True) -> None:
-    """Make an uncaught exception on one rank end the whole MPI job.
+    """Make an uncaught exception, or a non-zero ``sys.exit``, on one rank end the whole MPI job.
 
     Args:
-        enable: install the hook (True) or restore Python's previous ``sys.excepthook``.
+        enable: install the hooks (True) or restore Python's ``sys.excepthook``,
+            ``sys.exit``, ``exit`` and ``quit`` (False).
     """
+    global _abort_enabled, _main_frame
+    if enable and _main_frame is None:
+        _main_frame = _find_main_frame()
+    _abort_enabled = enable
     sys.excepthook = _abort_excepthook if enable else _python_excepthook
+    sys.exit = _exit if enable else _python_exit
+    for name, quitter in _python_quitters.items():
+        setattr(builtins, name, _Quitter(quitter) if enable else quitter)
 
 
-def _install_default_hook() -> None:
-    setting = os.environ.get("MPIDP_ABORT_ON_EXCEPTION", "1")
-    if setting not in ("0", "1"):
-        raise ValueError(f"MPIDP_ABORT_ON_EXCEPTION must be 0 or 1, got {setting!r}")
-    if setting == "1" and size() > 1:
+def _start() -> None:
+    """What importing mpidp does in the launched process (never in a multiprocessing child)."""
+    require_mpi()
+    atexit.register(_abort_on_exit_status)  # runs before mpi4py's MPI_Finalize
+    if _abort_from_env() and size() > 1:
         abort_on_exception(True)
+
+
+def _abort_from_env() -> bool:
+    return _env.flag("MPIDP_ABORT_ON_EXCEPTION", True)

@@ -84,6 +84,19 @@ class _Communicator:
         return (_Communicator, (None, True))
 
 
+# While DistributedDataParallel.join() is active, the order in which this
+# process's layers made their collectives in the last step, so that a rank that
+# has joined can stand in for them in the same order (see ``record``).
+_trace: list | None = None
+
+
+def record(trace: list | None) -> list | None:
+    """Start recording the layers' collectives into ``trace`` (None: stop); return the old list."""
+    global _trace
+    previous, _trace = _trace, trace
+    return previous
+
+
 def _duplicate(comm) -> _Communicator:
     """Check ``comm`` and duplicate it (collective), or share an existing ``_Communicator``."""
     if isinstance(comm, _Communicator):
@@ -305,10 +318,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def _allreduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """The forward's one collective; a joined rank contributes zeros."""
+        if _trace is not None:
+            _trace.append((self, "stats"))
         return self._channel.allreduce(stats)
 
     def _allreduce_grads(self, sums: torch.Tensor) -> torch.Tensor:
         """The backward's one collective, ``[sum dy, sum dy * x_hat]``; zeros from a joined rank."""
+        if _trace is not None:
+            _trace.append((self, "grads"))
         return self._channel.allreduce(sums)
 
     def _global_stats(self, stats: torch.Tensor, problem: str | None):
@@ -343,6 +360,20 @@ class SyncBatchNorm(_BatchNorm):
             updated = buffer.double().mul_(1 - factor).add_(value.to(buffer.device), alpha=factor)
             buffer.copy_(updated)
 
+    def _shadow_forward(self) -> None:
+        """Take part in one training forward with no samples (a joined rank): zeros in, same stats."""
+        device = self._device() or torch.device("cpu")
+        mean, m2, count = self._global_stats(
+            torch.zeros(2 * self.num_features + 2, dtype=torch.float64, device=device), None)
+        if self.track_running_stats:
+            self._update_running_stats(mean, m2, count)
+
+    def _shadow_backward(self) -> None:
+        """Take part in one backward through this layer with no samples (a joined rank)."""
+        device = self._device() or torch.device("cpu")
+        self._allreduce_grads(torch.zeros(2 * self.num_features, dtype=torch.float64,
+                                          device=device))
+
     def _shadow_forward_backward(self, backward: bool = True) -> None:
         """Take part in one training forward (and backward) with no samples, for a joined rank.
 
@@ -351,11 +382,6 @@ class SyncBatchNorm(_BatchNorm):
         ``backward`` must be True exactly when the other ranks' backward
         computes an input gradient through this layer.
         """
-        device = self._device() or torch.device("cpu")
-        mean, m2, count = self._global_stats(
-            torch.zeros(2 * self.num_features + 2, dtype=torch.float64, device=device), None)
-        if self.track_running_stats:
-            self._update_running_stats(mean, m2, count)
+        self._shadow_forward()
         if backward:
-            self._allreduce_grads(torch.zeros(2 * self.num_features, dtype=torch.float64,
-                                              device=device))
+            self._shadow_backward()

@@ -5,13 +5,20 @@ share cores, a rank whose cores span NUMA domains, or more torch threads than
 bound cores. ``topology()`` describes this rank, ``gather()`` every rank, and
 ``binding_warnings()`` turns a gathered list into plain-language warnings.
 
-At import, mpidp sets torch's intra-op threads to the number of cores this
-rank is bound to, unless ``OMP_NUM_THREADS`` is set or ``MPIDP_SET_THREADS=0``.
+At import (in the launched process only), every rank tells the other ranks of
+its node which cores it is bound to, and sets torch's intra-op threads to its
+share of them: its cores divided by the number of local ranks whose cores
+overlap its own, at least 1. Ranks bound to cores of their own get all of
+them; ranks that a plain ``mpiexec -n N`` started unbound on the same cores
+split them instead of each running one thread per core of the node.
+``OMP_NUM_THREADS`` set by the user wins, and ``MPIDP_SET_THREADS=0`` leaves
+torch's choice alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import warnings
@@ -20,10 +27,11 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from . import runtime
+from . import _env, runtime
 
 __all__ = ["RankTopology", "topology", "gather", "binding_warnings", "warn_about_binding",
-           "parse_cpulist", "default_threads"]
+           "parse_cpulist", "default_threads", "threads_for", "threads_reason",
+           "node_affinities", "detect_launcher", "bind_hint"]
 
 NODE_ROOT = Path("/sys/devices/system/node")
 
@@ -46,6 +54,10 @@ class RankTopology:
                     numa=",".join(map(str, self.numa_nodes)) or "-",
                     cores=compress_cpulist(self.cores), torch_threads=self.torch_threads,
                     gpu=self.gpu or "-")
+
+
+def _cores(count: int) -> str:
+    return f"{count} core{'s' if count != 1 else ''}"
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -99,8 +111,38 @@ def gather(comm: MPI.Comm | None = None) -> list[RankTopology]:
     return (comm or MPI.COMM_WORLD).allgather(topology())
 
 
-def binding_warnings(ranks: list[RankTopology]) -> list[str]:
-    """Plain-language warnings about a gathered list of rank topologies."""
+def detect_launcher() -> str:
+    """Whose syntax binding advice uses: "openmpi", "srun" or "mpich" (MPICH, Intel MPI: Hydra)."""
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        return "openmpi"
+    if "SLURM_PROCID" in os.environ and "MPI_LOCALNRANKS" not in os.environ:
+        return "srun"
+    return "mpich"
+
+
+def bind_hint(ranks: int, cores: int, numa_domains: int, launcher: str = "mpich") -> str:
+    """A launch line that gives each of ``ranks`` ranks its own cores on a node.
+
+    One rank per NUMA domain where they are as many; otherwise equal blocks of
+    cores (``-bind-to numa`` cannot separate ranks that share one domain).
+    """
+    per = max(1, cores // ranks)
+    numa = numa_domains > 1 and ranks == numa_domains
+    if launcher == "openmpi":
+        return ("mpiexec --map-by ppr:1:numa --bind-to numa" if numa else
+                f"mpiexec --map-by slot:PE={per} --bind-to core")
+    if launcher == "srun":
+        return f"srun --cpu-bind=cores --cpus-per-task={per}"
+    return "mpiexec -bind-to numa" if numa else f"mpiexec -bind-to core:{per}"
+
+
+def binding_warnings(ranks: list[RankTopology], *, launcher: str | None = None) -> list[str]:
+    """Plain-language warnings about a gathered list of rank topologies.
+
+    Args:
+        ranks: every rank's ``topology()``.
+        launcher: the syntax of the suggested launch line (default: ``detect_launcher()``).
+    """
     found = []
     by_host: dict[str, list[RankTopology]] = {}
     for rank in ranks:
@@ -109,8 +151,15 @@ def binding_warnings(ranks: list[RankTopology]) -> list[str]:
         sharing = sorted({r.rank for a in members for b in members if a.rank != b.rank
                           and set(a.cores) & set(b.cores) for r in (a, b)})
         if sharing:
-            found.append(f"ranks {sharing} on {host} share cores; bind one rank per NUMA domain "
-                         f"(mpiexec -bind-to numa, srun --cpu-bind=...; see jobscripts/)")
+            cores = {c for r in members for c in r.cores}
+            domains = {n for r in members for n in r.numa_nodes}
+            if len(members) > len(cores):
+                found.append(f"ranks {sharing} on {host} share cores: {len(members)} ranks on "
+                             f"{_cores(len(cores))}; run at most {len(cores)} ranks per node")
+                continue
+            hint = bind_hint(len(members), len(cores), len(domains), launcher or detect_launcher())
+            found.append(f"ranks {sharing} on {host} share cores; give each cores of its own "
+                         f"by launching with '{hint} ...' (see jobscripts/)")
     spanning = [r.rank for r in ranks if len(r.numa_nodes) > 1]
     if spanning:
         found.append(f"ranks {spanning} are bound to cores in more than one NUMA domain; "
@@ -144,14 +193,44 @@ def warn_about_binding(comm: MPI.Comm | None = None, stacklevel: int = 3) -> lis
     return found
 
 
+@functools.cache
+def node_affinities() -> tuple[frozenset[int], ...]:
+    """The cores every rank of this node is bound to, by local rank (collective on first call)."""
+    return tuple(runtime._node_comm().allgather(frozenset(os.sched_getaffinity(0))))
+
+
+def threads_for(cores, node: list) -> int:
+    """Threads for a rank bound to ``cores`` among its node's affinities ``node`` (itself included).
+
+    Its cores divided by the ranks that share any of them, at least 1.
+    """
+    sharing = sum(1 for other in node if set(other) & set(cores))
+    return max(1, len(cores) // max(1, sharing))
+
+
 def default_threads() -> int | None:
     """The intra-op thread count mpidp sets at import, or None to leave torch's choice."""
-    if "OMP_NUM_THREADS" in os.environ or os.environ.get("MPIDP_SET_THREADS", "1") == "0":
+    if "OMP_NUM_THREADS" in os.environ or not _env.flag("MPIDP_SET_THREADS", True):
         return None
-    return len(os.sched_getaffinity(0))
+    return threads_for(os.sched_getaffinity(0), node_affinities())
+
+
+def threads_reason() -> str:
+    """Why this rank runs the torch threads it runs, for ``python -m mpidp info``."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    if not _env.flag("MPIDP_SET_THREADS", True):
+        return "MPIDP_SET_THREADS is off: torch's own choice"
+    cores = os.sched_getaffinity(0)
+    sharing = sum(1 for other in node_affinities() if other & cores)
+    if sharing > 1:
+        return (f"a share of {len(cores)} cores that {sharing} ranks use "
+                f"({len(cores)} // {sharing}, at least 1)")
+    return f"bound to {_cores(len(cores))} that no other rank uses"
 
 
 def _apply_default_threads() -> None:
+    node_affinities()  # collective: every rank takes part, whatever its environment says
     threads = default_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -14,9 +14,14 @@ import launch
 # (file, world sizes); 4 ranks run oversubscribed on a 2-core machine.
 MPI_FILES = [
     ("tests/mpi/check_comm.py", [1, 2, 3, 4]),
+    ("tests/mpi/check_comm_errors.py", [1, 2, 3]),
+    ("tests/mpi/check_comm_more.py", [1, 2, 3, 4]),
     ("tests/mpi/check_ddp.py", [1, 2, 3, 4]),
     ("tests/mpi/check_gloo.py", [2, 3]),
     ("tests/mpi/check_errors.py", [2, 3]),
+    ("tests/mpi/check_ddp_edges.py", [2, 3]),
+    ("tests/mpi/check_join.py", [2, 3]),
+    ("tests/mpi/check_syncbn.py", [1, 2, 3]),
     ("tests/mpi/check_gpu.py", [2]),
 ]
 
@@ -37,6 +42,12 @@ def test_host_staging_path(path):
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
+def test_ddp_under_mpi_thread_serialized_picks_legal_strategies(nprocs):
+    out = launch.run(nprocs, ["tests/mpi/thread_level_serialized.py"], timeout=120).stdout
+    assert "thread level checks passed" in out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
 def test_uncaught_exception_on_one_rank_ends_the_job(nprocs):
     start = time.monotonic()
     result = launch.run(nprocs, ["tests/mpi/raise_on_one_rank.py"], timeout=60, check=False)
@@ -44,6 +55,169 @@ def test_uncaught_exception_on_one_rank_ends_the_job(nprocs):
     assert f"[mpidp rank 1/{nprocs}] ValueError: boom from rank 1" in result.stderr
     assert "passed a barrier" not in result.stderr
     assert time.monotonic() - start < 60
+
+
+# -- the stall watchdog (mpidp.watchdog): tests/mpi/stall.py hangs on purpose ------------
+
+STALL = "tests/mpi/stall.py"
+STALL_TIMEOUT = 5  # MPIDP_TIMEOUT of these runs
+STALL_SOURCE = (launch.ROOT / STALL).read_text().splitlines()
+
+
+def _stall(nprocs: int, *args: str, env: dict | None = None):
+    """Run stall.py; return (result, seconds from the stall to the end of the job)."""
+    result = launch.run(nprocs, [STALL, *args], timeout=240, check=False,
+                        env={"MPIDP_TIMEOUT": str(STALL_TIMEOUT), **(env or {})})
+    ended = time.time()
+    # lines of different ranks may run together: "rank 0 stalls at 17.2rank 1 stalls at 17.2"
+    starts = [float(part[:len(part) - len(part.lstrip("0123456789."))])
+              for part in result.stdout.split(" stalls at ")[1:]]
+    assert len(starts) == nprocs, result.stdout + result.stderr
+    seconds = ended - min(starts)
+    print(f"stall.py {' '.join(args)} on {nprocs} ranks: exit {result.returncode} "
+          f"{seconds:.1f} s after the stall")
+    assert seconds < STALL_TIMEOUT + 30, result.stderr
+    return result, seconds
+
+
+def _rank_names(ranks) -> str:
+    """As the summary names them: "rank 1", "ranks 0, 2", "ranks 1-2"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {ranks[0]}-{ranks[-1]}" if ranks[-1] - ranks[0] == len(ranks) - 1 else \
+        f"ranks {', '.join(map(str, ranks))}"
+
+
+def _summary(result, nprocs: int) -> dict[str, str]:
+    """Rank 0's summary line: {"ranks 0, 2": "waiting in ...", ..., "end": "aborting ..."}."""
+    prefix = f"[mpidp rank 0/{nprocs}] stall summary: "
+    lines = [line for line in result.stderr.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, result.stderr
+    *groups, end = lines[0].removeprefix(prefix).split("; ")
+    return dict(group.split(": ", 1) for group in groups) | {"end": end}
+
+
+def _source_of(report: str) -> str:
+    """The line of stall.py that a report names as its call site."""
+    number = report.split(f"at {STALL}:", 1)[1]
+    return STALL_SOURCE[int(number[:len(number) - len(number.lstrip("0123456789"))]) - 1]
+
+
+def _check_lines(result, nprocs: int, ranks) -> None:
+    for rank in ranks:
+        assert f"[mpidp rank {rank}/{nprocs}] stall: waiting " in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_watchdog_names_a_rank_that_skipped_a_collective(nprocs):
+    result, _ = _stall(nprocs, "skip")
+    assert result.returncode != 0
+    _check_lines(result, nprocs, range(nprocs))
+    groups = _summary(result, nprocs)
+    others = groups[_rank_names([r for r in range(nprocs) if r != 1])]
+    assert others.startswith(f"waiting in allreduce op=sum dtype=float32 count=4 at {STALL}:")
+    assert "rank 1 skips this one" in _source_of(others)
+    assert groups["rank 1"].startswith("waiting in allreduce op=max dtype=int64 count=1 at ")
+    assert "comm=other" in _source_of(groups["rank 1"])
+    assert groups["end"] == "aborting the job (MPIDP_TIMEOUT_ACTION=abort)"
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_watchdog_names_ranks_in_different_collectives(nprocs):
+    result, _ = _stall(nprocs, "mismatch")
+    assert result.returncode != 0
+    _check_lines(result, nprocs, range(nprocs))
+    groups = _summary(result, nprocs)
+    assert groups["rank 0"].startswith(f"waiting in broadcast root={nprocs - 1} dtype=float32 "
+                                       f"count=8 at {STALL}:")
+    assert "broadcast" in _source_of(groups["rank 0"])
+    others = groups[_rank_names(list(range(1, nprocs)))]
+    assert others.startswith("waiting in allreduce op=sum dtype=float32 count=2 at ")
+
+
+@pytest.mark.parametrize("nprocs,sleeper,overlap", [(2, 1, "inline"), (3, 1, "inline"),
+                                                    (3, 0, "inline"), (2, 1, "thread"),
+                                                    (2, 1, "nonblocking")])
+def test_watchdog_names_ddp_bucket_while_a_rank_is_in_user_code(nprocs, sleeper, overlap):
+    result, _ = _stall(nprocs, "sleep", str(sleeper), overlap)
+    assert result.returncode != 0
+    waiting = [r for r in range(nprocs) if r != sleeper]
+    _check_lines(result, nprocs, waiting)
+    groups = _summary(result, nprocs)
+    call = ("iallreduce op=sum dtype=float32 count=" if overlap == "nonblocking" else
+            "allreduce op=sum dtype=float32 count=")
+    assert groups[_rank_names(waiting)].startswith(f"waiting in DDP step 3 bucket 1/")
+    assert f"): {call}" in groups[_rank_names(waiting)]
+    assert "loss.backward()" in _source_of(groups[_rank_names(waiting)])
+    idle = groups[f"rank {sleeper}"]
+    assert idle.startswith("not in an mpidp collective, main thread at "), idle
+    assert "time.sleep" in _source_of(idle)
+
+
+def test_watchdog_report_action_prints_and_the_job_goes_on():
+    result, _ = _stall(3, "sleep", "1", env={"MPIDP_TIMEOUT_ACTION": "report"})
+    assert result.returncode == 0, result.stderr
+    _check_lines(result, 3, [0, 2])
+    groups = _summary(result, 3)
+    assert groups["ranks 0, 2"].startswith("waiting in DDP step 3 bucket 1/")
+    assert groups["end"] == "going on (MPIDP_TIMEOUT_ACTION=report)"
+    assert all(f"rank {r} trained 5 steps" in result.stdout for r in range(3))
+
+
+@pytest.mark.parametrize("nprocs,overlap", [(3, "inline"), (2, "thread"), (2, "nonblocking")])
+def test_watchdog_stays_quiet_while_training_goes_well(nprocs, overlap):
+    result = launch.run(nprocs, [STALL, "train", overlap], timeout=240, env={"MPIDP_TIMEOUT": "1"})
+    assert "] stall" not in result.stderr, result.stderr
+    assert all(f"rank {r} trained 40 steps" in result.stdout for r in range(nprocs))
+
+
+def test_watchdog_ddp_timeout_governs_its_steps():
+    result, seconds = _stall(2, "sleep", "1", env={"MPIDP_TIMEOUT": "600",
+                                                   "STALL_DDP_TIMEOUT": "3"})
+    assert result.returncode != 0
+    assert ("[mpidp rank 0/2] stall: waiting 3." in result.stderr
+            or "[mpidp rank 0/2] stall: waiting 4." in result.stderr), result.stderr
+    assert "(timeout 3 s from DistributedDataParallel(timeout=)) in DDP step 3" in result.stderr
+    assert seconds < 3 + 30
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_watchdog_checks_its_arguments(nprocs):
+    result = launch.run(nprocs, [STALL, "checks"], timeout=120)
+    assert all(f"rank {r} checks passed" in result.stdout for r in range(nprocs))
+
+
+def test_watchdog_says_which_rank_cannot_answer():
+    result, _ = _stall(3, "gil", "1")  # rank 1 sleeps in C with the GIL held
+    assert result.returncode != 0
+    groups = _summary(result, 3)
+    assert groups["ranks 0, 2"].startswith("waiting in DDP step 3 bucket 1/")
+    assert groups["rank 1"].startswith("no report (not reachable: dead, or no Python thread")
+
+
+def test_watchdog_ranks_end_the_job_when_rank_0_cannot():
+    result, _ = _stall(3, "gil", "0")
+    assert result.returncode != 0
+    assert "stall summary" not in result.stderr
+    _check_lines(result, 3, [1, 2])
+    assert "rank 0 did not end the job after this rank's stall report" in result.stderr
+
+
+def test_watchdog_below_thread_multiple_reports_locally_and_ends_the_job():
+    result, _ = _stall(2, "skip", env={"STALL_THREAD_LEVEL": "serialized"})
+    assert result.returncode != 0
+    assert "stall summary" not in result.stderr
+    _check_lines(result, 2, [0, 1])
+    assert "no summary below MPI_THREAD_MULTIPLE" in result.stderr
+    assert "by os._exit(124)" in result.stderr
+
+
+def test_uneven_example_joins_and_ends_with_one_model():
+    out = launch.run(3, ["examples/train_uneven.py", "--epochs", "2"], timeout=180).stdout
+    assert "epoch 1: steps per rank [10, 15, 19]" in out
+    sums = out.split("final parameter checksums per rank: ")[1].splitlines()[0]
+    assert len(set(sums.strip("[]").split(", "))) == 1, sums
+    assert float(out.split("epoch 1:")[1].split("test accuracy")[1].split()[0]) > 0.85
 
 
 def test_main_example_trains_on_two_ranks():
@@ -65,7 +239,8 @@ LAB = {
     "lab_1_rank_size.py": ["rank 0 of 2", "rank 1 of 2"],
     "lab_2_send_recv.py": ["blocking:    rank 1 holds\ntensor([[1., 1., 1., 1.]",
                            "nonblocking: rank 1 holds\ntensor([[1., 1., 1., 1.]"],
-    "lab_3_allreduce.py": ["tensor([[ 2.,  4.,  6.,  8.],"],
+    "lab_3_allreduce.py": ["rank 0: allreduce(sum) over 2 ranks =\ntensor([[ 2.,  4.,  6.,  8.],",
+                           "rank 1: allreduce(sum) over 2 ranks =\ntensor([[ 2.,  4.,  6.,  8.],"],
     "lab_4_sampler.py": ["rank 0: [[0, 20], [40, 60], [80]]", "rank 1: [[10, 30], [50, 70], [90]]",
                          "drop_last=True) over the sampler:\n  rank 0: [[0, 20, 40]]\n  rank 1: [[10, 30, 50]]"],
     "lab_5_gradients_by_hand.py": ["2 ranks: |by hand - DDP| ="],
@@ -88,16 +263,21 @@ def test_lab_example(script):
 def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
     straight = launch.run(2, ["examples/train_digits.py", "--epochs", "3"], timeout=180).stdout
     checkpoint = tmp_path / "ck.pt"
-    launch.run(2, ["examples/train_digits.py", "--epochs", "2", "--checkpoint", str(checkpoint)],
-               timeout=180)
+    first = launch.run(2, ["examples/train_digits.py", "--epochs", "2", "--checkpoint", str(checkpoint),
+                           "--resume"], timeout=180)  # no checkpoint yet: starts afresh
+    assert first.stdout.startswith(f"no checkpoint at {checkpoint} yet: starting from epoch 0\nepoch 0:")
+    assert first.stderr.count("\r") <= 4  # stderr is no terminal: no stream of bar updates
     assert checkpoint.exists() and not checkpoint.with_name("ck.pt.partial").exists()
     resumed = launch.run(2, ["examples/train_digits.py", "--epochs", "3", "--checkpoint",
                              str(checkpoint), "--resume"], timeout=180).stdout
     assert "epoch 2: train loss" in straight and "validation loss" in straight
     assert "(297 samples, 2 ranks)" in straight  # every validation sample counted once
     assert resumed.startswith("epoch 2:")  # epochs 0 and 1 came from the checkpoint
-    last = [line for line in straight.splitlines() if line.startswith(("epoch 2", "final"))]
-    assert last == [line for line in resumed.splitlines() if line.startswith(("epoch 2", "final"))]
+    def metrics(out):  # without the epoch's time in seconds
+        return [line.rsplit(", ", 1)[0] if line.startswith("epoch") else line
+                for line in out.splitlines() if line.startswith(("epoch 2", "final"))]
+    last = metrics(straight)
+    assert last == metrics(resumed)
     accuracy = float(last[0].split("validation loss")[1].split("acc")[1].split()[0])
     assert accuracy > 0.9
 

@@ -25,10 +25,34 @@ def test_well_bound_ranks_get_no_warning():
 
 
 def test_shared_cores_spanning_numa_and_too_many_threads_are_reported():
-    found = binding_warnings([rank(0, [0, 1], numa=(0, 1)), rank(1, [1, 2]), rank(2, [3], threads=4)])
-    assert found[0].startswith("ranks [0, 1] on n1 share cores")
+    found = binding_warnings([rank(0, [0, 1], numa=(0, 1)), rank(1, [1, 2]), rank(2, [3], threads=4)],
+                             launcher="mpich")
+    assert found[0] == ("ranks [0, 1] on n1 share cores; give each cores of its own by launching "
+                        "with 'mpiexec -bind-to core:1 ...' (see jobscripts/)")
     assert found[1].startswith("ranks [0] are bound to cores in more than one NUMA domain")
     assert found[2].startswith("ranks [2] run more torch threads than the cores they are bound to")
+
+
+def test_the_binding_advice_fits_the_machine_and_the_launcher():
+    # one NUMA domain: -bind-to numa would bind both ranks to the same cores again
+    assert topology.bind_hint(2, 2, 1, "mpich") == "mpiexec -bind-to core:1"
+    assert topology.bind_hint(2, 48, 2, "mpich") == "mpiexec -bind-to numa"
+    assert topology.bind_hint(4, 48, 2, "mpich") == "mpiexec -bind-to core:12"
+    assert topology.bind_hint(2, 48, 2, "openmpi") == "mpiexec --map-by ppr:1:numa --bind-to numa"
+    assert topology.bind_hint(3, 48, 2, "openmpi") == "mpiexec --map-by slot:PE=16 --bind-to core"
+    assert topology.bind_hint(2, 16, 1, "srun") == "srun --cpu-bind=cores --cpus-per-task=8"
+    unbound = [rank(r, [0, 1]) for r in range(3)]
+    assert binding_warnings(unbound)[0] == ("ranks [0, 1, 2] on n1 share cores: 3 ranks on 2 cores; "
+                                            "run at most 2 ranks per node")
+
+
+def test_ranks_that_share_cores_split_them():
+    both = [{0, 1}, {0, 1}]
+    assert topology.threads_for({0, 1}, both) == 1
+    assert topology.threads_for({0}, [{0}, {0}, {0}]) == 1  # at least one
+    node = [set(range(4)), set(range(4)), set(range(4, 8))]
+    assert [topology.threads_for(cores, node) for cores in node] == [2, 2, 4]
+    assert topology.threads_for(set(range(48)), [set(range(48))]) == 48
 
 
 def test_numa_nodes_come_from_sysfs(tmp_path):
@@ -48,7 +72,9 @@ def test_this_rank_is_described():
 
 @pytest.mark.parametrize("env,expected", [({}, len(os.sched_getaffinity(0))),
                                           ({"OMP_NUM_THREADS": "3"}, None),
-                                          ({"MPIDP_SET_THREADS": "0"}, None)])
+                                          ({"MPIDP_SET_THREADS": "0"}, None),
+                                          ({"MPIDP_SET_THREADS": "off"}, None),
+                                          ({"MPIDP_SET_THREADS": "yes"}, len(os.sched_getaffinity(0)))])
 def test_default_threads_follow_the_binding_unless_told_otherwise(monkeypatch, env, expected):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MPIDP_SET_THREADS", raising=False)

@@ -1,5 +1,7 @@
 """Tests that need no MPI launch: bucket layout, argument checks, sampler, pack/unpack."""
 
+import builtins
+import multiprocessing
 import re
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 import mpidp
+from mpidp import cuda, topology
 from mpidp.buckets import assign_buckets
 from mpidp.ddp import first_mismatch
 from mpidp.kernels import pack, unpack
@@ -74,7 +77,7 @@ def test_bucket_assignment_rejects_bad_caps():
     (dict(bucket_cap_mb=True), ValueError, "bucket_cap_mb must be a number > 0, got True"),
     (dict(first_bucket_mb=0), ValueError, "first_bucket_mb must be a number > 0, got 0"),
     (dict(find_unused_parameters="yes"), TypeError, "find_unused_parameters must be a bool, got 'yes'"),
-    (dict(broadcast_buffers=1), TypeError, "broadcast_buffers must be a bool, got 1"),
+    (dict(broadcast_buffers=1), TypeError, "broadcast_buffers must be a bool or None, got 1"),
     (dict(gradient_as_bucket_view=None), TypeError, "gradient_as_bucket_view must be a bool, got None"),
     (dict(pool_size=0), ValueError, "pool_size must be an int >= 1, got 0"),
     (dict(comm="world"), TypeError, "comm must be None or an mpi4py Intracomm, got str"),
@@ -172,15 +175,76 @@ def test_pack_checks_sizes_and_layout_before_copying():
         pack([torch.ones(1), 3], torch.empty(2))
 
 
-def test_abort_hook_can_be_turned_off_and_on():
-    previous = sys.excepthook
+def test_abort_hooks_can_be_turned_off_and_on():
+    previous = sys.excepthook, sys.exit, builtins.exit, mpidp.runtime._abort_enabled
     try:
         mpidp.abort_on_exception(True)
         assert sys.excepthook is mpidp.runtime._abort_excepthook
+        assert sys.exit is mpidp.runtime._exit and isinstance(builtins.exit, mpidp.runtime._Quitter)
+        with pytest.raises(SystemExit) as exit_info:  # still raises as Python's sys.exit does
+            sys.exit(3)
+        assert exit_info.value.code == 3
+        assert mpidp.runtime._exit_request[0] == 3
         mpidp.abort_on_exception(False)
         assert sys.excepthook is mpidp.runtime._python_excepthook
+        assert sys.exit is mpidp.runtime._python_exit
+        assert builtins.exit is mpidp.runtime._python_quitters["exit"]
     finally:
-        sys.excepthook = previous
+        sys.excepthook, sys.exit, builtins.exit, mpidp.runtime._abort_enabled = previous
+        mpidp.runtime._exit_request = None
+
+
+def _rank_in_child(queue):
+    try:
+        mpidp.rank()
+    except RuntimeError as err:
+        queue.put(str(err))
+    else:
+        queue.put("mpidp.rank() worked in a forked child")
+
+
+def test_mpi_calls_refuse_in_a_forked_child_and_still_work_in_the_parent():
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_rank_in_child, args=(queue,))
+    child.start()
+    message = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert "MPI is not available in a multiprocessing child" in message
+    assert not mpidp.runtime.in_multiprocessing_child() and mpidp.rank() == 0
+
+
+@pytest.mark.parametrize("value,expected", [("", True), ("1", True), ("on", True), (" YES ", True),
+                                            ("true", True), ("0", False), ("Off", False),
+                                            ("no", False), ("FALSE", False)])
+def test_mpidp_variables_accept_the_usual_spellings(monkeypatch, value, expected):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name in ("MPIDP_SET_THREADS", "MPIDP_ABORT_ON_EXCEPTION", "MPIDP_STAGE_CPU", "MPIDP_CUDA_AWARE"):
+        monkeypatch.setenv(name, value)
+    assert (topology.default_threads() is not None) is expected
+    assert mpidp.runtime._abort_from_env() is expected
+    assert cuda.stage_cpu() is (expected and value != "")  # off unless asked for
+    decision = cuda.decision.__wrapped__()  # not the cached start-up decision
+    if value:
+        assert decision == cuda.Decision(expected, f"MPIDP_CUDA_AWARE={int(expected)}")
+    else:
+        assert not decision.reason.startswith("MPIDP_CUDA_AWARE")  # empty: no override
+
+
+READERS = {"MPIDP_SET_THREADS": lambda: topology.default_threads(),
+           "MPIDP_ABORT_ON_EXCEPTION": lambda: mpidp.runtime._abort_from_env(),
+           "MPIDP_STAGE_CPU": lambda: cuda.stage_cpu(),
+           "MPIDP_CUDA_AWARE": lambda: cuda.decision.__wrapped__()}
+
+
+@pytest.mark.parametrize("name", sorted(READERS))
+@pytest.mark.parametrize("value", ["2", "enable", "y"])
+def test_mpidp_variables_reject_other_spellings_the_same_way(monkeypatch, name, value):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{name} must be one of 1/true/yes/on or 0/false/no/off (any case), got {value!r}")):
+        READERS[name]()
 
 
 def test_world_of_one_without_mpiexec():

@@ -15,16 +15,16 @@ OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
               "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}
 
 
-def batches(model_name, count):
-    """This rank's ``count`` batches of 4 (different on every rank)."""
+def batches(model_name, count, rank=RANK):
+    """Rank ``rank``'s ``count`` batches of 4 (different on every rank)."""
     _, shape, out = MODELS[model_name]
-    gen = torch.Generator().manual_seed(100 * RANK + 7)
+    gen = torch.Generator().manual_seed(100 * rank + 7)
     return [(torch.randn(4, *shape, generator=gen), torch.randn(4, out, generator=gen))
             for _ in range(count)]
 
 
-def seeded(model_name):
-    torch.manual_seed(RANK)  # different on every rank: the construction broadcast must win
+def seeded(model_name, rank=RANK):
+    torch.manual_seed(rank)  # different on every rank: the construction broadcast must win
     model = MODELS[model_name][0]()
     if model_name == "convbn":
         # A conv bias followed by BatchNorm has a gradient that is exactly zero in exact
@@ -49,10 +49,10 @@ def train(model, optimizer, data, model_name, micro=1, **join):
             optimizer.step()
 
 
-def counts(kind):
+def counts(kind, rank=RANK):
     if kind == "5-4-3":
-        return 5 - RANK % 3
-    return 0 if RANK == SIZE - 1 else 3  # "zero": the last rank has no batch at all
+        return 5 - rank % 3
+    return 0 if rank == SIZE - 1 else 3  # "zero": the last rank has no batch at all
 
 
 @pytest.mark.parametrize("kind", ["5-4-3", "zero"])
@@ -131,3 +131,29 @@ def test_join_with_equal_inputs_and_disabled_changes_nothing():
     with pytest.raises(TypeError, match="throw_on_early_termination must be a bool, got 1"):
         with plain.join(throw_on_early_termination=1):
             pass
+
+
+@pytest.mark.parametrize("kind", ["5-4-3", "zero"])
+@pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
+def test_sync_batchnorm_with_uneven_inputs_matches_one_process(divide_by_initial_world_size, kind):
+    """Each step equals BatchNorm on the concatenated batches of the ranks still active."""
+    model = mpidp.SyncBatchNorm.convert_sync_batchnorm(seeded("convbn"))
+    ddp = mpidp.DistributedDataParallel(model)
+    reference = seeded("convbn", rank=0)  # rank 0's model, which DDP broadcast, with BatchNorm
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    train(ddp, optimizer, batches("convbn", counts(kind)), "convbn",
+          divide_by_initial_world_size=divide_by_initial_world_size)
+    data = {rank: batches("convbn", counts(kind, rank), rank) for rank in range(SIZE)}
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(max(len(d) for d in data.values())):
+        active = [rank for rank in range(SIZE) if len(data[rank]) > step]
+        out = reference(torch.cat([data[rank][step][0] for rank in active]))
+        losses = [loss_of("convbn", part, data[rank][step][1])
+                  for rank, part in zip(active, out.split(4))]
+        reference_optimizer.zero_grad()
+        (sum(losses) / (SIZE if divide_by_initial_world_size else len(active))).backward()
+        reference_optimizer.step()
+    diff = max_rel_diff(ddp.module, reference)  # parameters and running statistics
+    print(f"JOIN size={SIZE} syncbn-{kind}-{'initial' if divide_by_initial_world_size else 'active'}"
+          f" max_rel_diff={diff:.3e}")
+    assert diff < 1e-5

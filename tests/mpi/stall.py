@@ -1,0 +1,136 @@
+"""Hangs the stall watchdog must report; tests/test_mpi.py runs it with a short MPIDP_TIMEOUT.
+
+    MPIDP_TIMEOUT=5 mpiexec -n 3 python tests/mpi/stall.py MODE [RANK [OVERLAP]]
+
+Modes:
+
+- ``skip``: rank 1 skips an allreduce of the default pool and goes on to the
+  next collective, an allreduce on a communicator of its own;
+- ``mismatch``: rank 0 enters a broadcast from the last rank (default pool)
+  while the others enter an allreduce on another communicator;
+- ``sleep RANK [OVERLAP]``: at DDP step 3, ``RANK`` sleeps in user code
+  between forward and backward while the others wait in the step's first
+  bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 8``
+  seconds, wakes up, and the training ends normally;
+- ``gil RANK``: as ``sleep``, but ``RANK`` sleeps in C holding the GIL, so no
+  thread of it can answer;
+- ``train [OVERLAP]``: a DDP training run that never stalls;
+- ``checks``: the watchdog's argument checks (no stall).
+
+Set ``STALL_THREAD_LEVEL`` (e.g. "serialized") to initialise MPI at that level,
+``STALL_DDP_TIMEOUT`` to pass it to DistributedDataParallel as ``timeout``.
+Before the call that hangs, each rank prints ``rank R stalls at T`` (T from
+``time.time()``), so the test can measure the time to the report.
+"""
+
+import ctypes
+import os
+import sys
+import time
+
+import mpi4py
+
+if os.environ.get("STALL_THREAD_LEVEL"):
+    mpi4py.rc.thread_level = os.environ["STALL_THREAD_LEVEL"]  # before mpidp imports mpi4py.MPI
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mpidp  # noqa: E402
+
+RANK, SIZE = mpidp.rank(), mpidp.size()
+TIMEOUT = float(os.environ.get("MPIDP_TIMEOUT", "600"))
+REPORT_ONLY = os.environ.get("MPIDP_TIMEOUT_ACTION", "abort") == "report"
+
+
+def stalls() -> None:
+    print(f"rank {RANK} stalls at {time.time():.3f}", flush=True)
+
+
+def skip(other: MPI.Intracomm) -> None:
+    mpidp.comm.allreduce(torch.ones(4))  # every rank: the default pool exists
+    stalls()
+    if RANK != 1:
+        mpidp.comm.allreduce(torch.ones(4))  # rank 1 skips this one
+    mpidp.comm.allreduce(torch.ones(1, dtype=torch.int64), "max", comm=other)
+
+
+def mismatch(other: MPI.Intracomm) -> None:
+    mpidp.comm.allreduce(torch.ones(4))
+    stalls()
+    if RANK == 0:
+        mpidp.comm.broadcast(torch.zeros(8), SIZE - 1)
+    else:
+        mpidp.comm.allreduce(torch.ones(2), comm=other)
+
+
+def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: bool = False) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    timeout = os.environ.get("STALL_DDP_TIMEOUT")
+    ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.1, overlap=overlap,
+                                        timeout=None if timeout is None else float(timeout))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    torch.manual_seed(RANK)
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        loss = ddp(torch.randn(32, 64)).square().mean()
+        if step == 3 and stop_rank is not None:
+            stalls()
+            if RANK == stop_rank and holds_gil:
+                ctypes.PyDLL(None).sleep(120)  # libc sleep() through PyDLL keeps the GIL
+            elif RANK == stop_rank:
+                time.sleep(TIMEOUT + 8 if REPORT_ONLY else 120)
+        loss.backward()
+        optimizer.step()
+    ddp.close()
+    print(f"rank {RANK} trained {steps} steps", flush=True)
+
+
+def expect_error(call, message: str) -> None:
+    try:
+        call()
+    except ValueError as error:
+        if str(error) != message:
+            raise AssertionError(f"expected {message!r}, got {str(error)!r}") from None
+    else:
+        raise AssertionError(f"no error, expected {message!r}")
+
+
+def checks() -> None:
+    expect_error(lambda: mpidp.DistributedDataParallel(nn.Linear(2, 2), timeout=-1),
+                 "timeout must be None or a number of seconds >= 0 (0 turns the stall watchdog "
+                 "off), got -1")
+    expect_error(lambda: mpidp.watchdog.set_timeout("10"),
+                 "seconds must be None or a number of seconds >= 0 (0 turns the stall watchdog "
+                 "off), got '10'")
+    expect_error(lambda: mpidp.watchdog.set_timeout(10, action="ignore"),
+                 "action must be one of abort, report, got 'ignore'")
+    mpidp.watchdog.set_timeout(7.5, action="report")
+    assert mpidp.watchdog.get_timeout() == (7.5, "report"), mpidp.watchdog.get_timeout()
+    mpidp.watchdog.set_timeout(None, action="abort")
+    assert mpidp.watchdog.get_timeout() == (TIMEOUT, "abort"), mpidp.watchdog.get_timeout()
+    print(f"rank {RANK} checks passed", flush=True)
+
+
+def main() -> None:
+    mode, args = sys.argv[1], sys.argv[2:]
+    other = MPI.COMM_WORLD.Dup()
+    if mode == "skip":
+        skip(other)
+    elif mode == "mismatch":
+        mismatch(other)
+    elif mode in ("sleep", "gil"):
+        train(5, args[1] if len(args) > 1 else "auto", int(args[0]), holds_gil=mode == "gil")
+    elif mode == "train":
+        train(40, args[0] if args else "auto")
+    elif mode == "checks":
+        checks()
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    other.Free()
+
+
+main()
