@@ -212,9 +212,11 @@ def test_watchdog_below_thread_multiple_reports_locally_and_ends_the_job():
     assert "by os._exit(124)" in result.stderr
 
 
-def test_uneven_example_joins_and_ends_with_one_model():
-    out = launch.run(3, ["examples/train_uneven.py", "--epochs", "2"], timeout=180).stdout
-    assert "epoch 1: steps per rank [10, 15, 19]" in out
+@pytest.mark.parametrize("source,steps", [("shards", "[10, 15, 19]"), ("sampler", "[15, 15, 14]")])
+def test_uneven_example_joins_and_ends_with_one_model(source, steps):
+    extra = ["--sampler"] if source == "sampler" else []
+    out = launch.run(3, ["examples/train_uneven.py", "--epochs", "2", *extra], timeout=180).stdout
+    assert f"epoch 1: steps per rank {steps}" in out
     sums = out.split("final parameter checksums per rank: ")[1].splitlines()[0]
     assert len(set(sums.strip("[]").split(", "))) == 1, sums
     assert float(out.split("epoch 1:")[1].split("test accuracy")[1].split()[0]) > 0.85
