@@ -592,14 +592,16 @@ def _run() -> None:
 
 def _tick(now: float) -> None:
     global _deadline
-    if _channel is not None:
-        _channel.poll(now)
+    # This rank's own stall first: rank 0 may otherwise hear every other rank's
+    # report in this poll and print the summary (and abort) before its own line.
     stalled = [(s, r) for s, r in _in_progress()
                if (limit := _limit(r)[0]) and now - r[1] > limit and s.reported != r[1]]
     if stalled:
         for s, record in stalled:
             s.reported = record[1]  # one line per rank and call
         _report(*stalled[0], now)
+    if _channel is not None:
+        _channel.poll(now)
     if _deadline is not None and now >= _deadline:
         if _channel is not None:
             why = "rank 0 did not end the job after this rank's stall report"
