@@ -10,6 +10,8 @@ alike. A step's time is the slowest rank's. Modes:
 - ``naive``: one blocking mpi4py allreduce per gradient after backward;
 - ``flat``: flatten every gradient, one allreduce, unflatten;
 - ``ddp-gloo``: torch's DistributedDataParallel over gloo (loopback TCP);
+- ``ddp-mpidp``: torch's DistributedDataParallel over the "mpidp" torch.distributed
+  backend (mpidp.process_group: MPI through mpidp.comm, a progress thread);
 - ``mpidp``: mpidp.DistributedDataParallel at its defaults; ``mpidp:key=value,...``
   changes settings: ``bucket`` and ``chunk`` (MiB), ``pool``, ``view`` (0/1),
   ``predict`` (0/1), ``poll`` (0/1: the hooks' progress polling), ``overlap``
@@ -40,6 +42,7 @@ import mpidp
 from models import build
 
 COMM = MPI.COMM_WORLD
+GROUPS = {}  # "ddp-gloo"/"ddp-mpidp" -> the process group torch's DDP runs over
 
 
 def init_gloo():
@@ -84,9 +87,10 @@ class Runner:
     def wrap(self, model):
         if self.name in ("local", "naive", "flat"):
             return model
-        if self.name == "ddp-gloo":
+        if self.name in ("ddp-gloo", "ddp-mpidp"):
             return nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device] if self.device.type == "cuda" else None)
+                model, device_ids=[self.device] if self.device.type == "cuda" else None,
+                process_group=GROUPS[self.name])
         if self.name != "mpidp":
             raise ValueError(f"unknown mode {self.spec!r}")
         options = dict(gradient_as_bucket_view=bool(self.settings.get("view", 0)),
@@ -158,7 +162,7 @@ class Runner:
         forward, backward, comm, optimizer = (b - a for a, b in zip(marks, marks[1:]))
         if self.name == "mpidp":  # the end-of-backward wait is inside backward()
             backward, comm = backward - self.wait, self.wait
-        elif self.name == "ddp-gloo":
+        elif self.name.startswith("ddp-"):
             comm = float("nan")  # torch DDP's wait cannot be separated from its backward
         return dict(forward=forward, backward=backward, wait=comm, optimizer=optimizer,
                     total=marks[-1] - marks[0], first_launch=first)
@@ -204,8 +208,12 @@ def main():
     torch.set_num_threads(1)
     device = mpidp.cuda.local_device() if args.device == "cuda" else torch.device("cpu")
     specs = args.modes
-    if any(parse_mode(s)[0] == "ddp-gloo" for s in specs):
+    names = {parse_mode(s)[0] for s in specs}
+    if names & {"ddp-gloo", "ddp-mpidp"}:
         init_gloo()
+        GROUPS["ddp-gloo"] = dist.group.WORLD
+    if "ddp-mpidp" in names:
+        GROUPS["ddp-mpidp"] = dist.new_group(backend="mpidp")
     if args.memory:
         (spec,) = specs
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -19,7 +19,8 @@ the ``i``-forms); only a result tensor whose elements share memory (a stride-0
 
 Supported dtypes: float16, bfloat16, float32, float64, int32, int64, uint8 and
 bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
-dtype; on bool, sum/max are logical or and prod/min logical and). Where the MPI
+dtype; on bool, sum/max are logical or and prod/min logical and), and the bitwise
+"band", "bor", "bxor" (integer and bool dtypes; on bool logical and, or, xor). Where the MPI
 library lacks a datatype or an op for a dtype (bfloat16 reductions in most
 libraries), mpidp reduces with a user-defined MPI op computed by torch. Which
 path is used is decided once per (dtype, op) by a local probe
@@ -68,7 +69,8 @@ __all__ = [
     "barrier", "ibarrier", "send", "recv", "isend", "irecv", "reduction_path",
 ]
 
-OPS = ("sum", "avg", "min", "max", "prod")
+OPS = ("sum", "avg", "min", "max", "prod", "band", "bor", "bxor")
+_BITWISE = ("band", "bor", "bxor")
 
 
 def _debug_from_env() -> bool:
@@ -94,10 +96,13 @@ _DATATYPES = {
 
 _DTYPES = tuple(_DATATYPES)  # a dtype's index here names it in messages between ranks
 
-_NATIVE_OPS = {"sum": "SUM", "avg": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
-_NATIVE_BOOL_OPS = {"sum": "LOR", "min": "LAND", "max": "LOR", "prod": "LAND"}
+_NATIVE_OPS = {"sum": "SUM", "avg": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD",
+               "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+_NATIVE_BOOL_OPS = {"sum": "LOR", "min": "LAND", "max": "LOR", "prod": "LAND",
+                    "band": "LAND", "bor": "LOR", "bxor": "LXOR"}
 _TORCH_OPS = {"sum": torch.add, "avg": torch.add, "min": torch.minimum,
-              "max": torch.maximum, "prod": torch.mul}
+              "max": torch.maximum, "prod": torch.mul, "band": torch.bitwise_and,
+              "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 # Handles whose MPI request is in flight; holding them here keeps their tensors
 # alive even if the caller drops the handle without waiting.
@@ -406,6 +411,8 @@ def _check_op(op: str, dtype: torch.dtype) -> None:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if op == "avg" and not dtype.is_floating_point:
         raise TypeError(f"op 'avg' needs a floating-point dtype, got {dtype}")
+    if op in _BITWISE and dtype.is_floating_point:
+        raise TypeError(f"op {op!r} needs an integer or bool dtype, got {dtype}")
 
 
 def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields) -> None:
@@ -482,7 +489,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", *, comm=None) -> torch.Tens
 
     Args:
         tensor: overwritten with the result on every rank.
-        op: "sum", "avg", "min", "max" or "prod".
+        op: one of ``OPS``: "sum", "avg", "min", "max", "prod", "band", "bor", "bxor".
         comm: None, a ``Pool`` or an mpi4py communicator.
 
     Returns:
@@ -541,6 +548,14 @@ def _allgather(output, tensor, comm, nonblocking):
     if _DEBUG:
         _check_same_call(comm, "allgather", nonblocking,
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
+    if _is_rank_block(tensor, output, comm.Get_rank()):
+        # In place (FSDP's all-gather does it): MPI forbids aliased buffers but for MPI_IN_PLACE.
+        (received,), _, copy_back = _stage((output,), (output,))
+        args = (MPI.IN_PLACE, _buffer(received, tensor.numel()))
+        return _start(comm, "Allgather", args, (output, tensor, received), output, copy_back,
+                      nonblocking, ("allgather", tensor))
+    if _overlap(tensor, output):
+        tensor = tensor.clone()
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     # mpi4py counts the receive buffer per rank, like the send buffer.
     args = (_buffer(sent), _buffer(received, tensor.numel()))
@@ -548,8 +563,31 @@ def _allgather(output, tensor, comm, nonblocking):
                   output, copy_back, nonblocking, ("allgather", tensor))
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (MPI forbids aliased buffers)."""
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + _span(a) * a.element_size()
+    b_end = b_start + _span(b) * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements from the first to one past the last that ``tensor`` addresses."""
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _is_rank_block(tensor: torch.Tensor, output: torch.Tensor, rank: int) -> bool:
+    return (tensor.device == output.device and tensor.is_contiguous() and output.is_contiguous()
+            and tensor.numel() > 0
+            and tensor.data_ptr() == output.data_ptr() + rank * tensor.nbytes)
+
+
 def allgather(output: torch.Tensor, tensor: torch.Tensor, *, comm=None) -> torch.Tensor:
     """Gather ``tensor`` from every rank into ``output``, rank by rank along the flat order.
+
+    ``tensor`` may be this rank's block of ``output`` (an in-place all-gather).
 
     Args:
         output: tensor of ``world size * tensor.numel()`` elements.
@@ -592,7 +630,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     Args:
         output: tensor of ``tensor.numel() / world size`` elements.
         tensor: this rank's input, ``world size`` equal blocks in flat order.
-        op: "sum", "avg", "min", "max" or "prod".
+        op: one of ``OPS``: "sum", "avg", "min", "max", "prod", "band", "bor", "bxor".
         comm: None, a ``Pool`` or an mpi4py communicator.
 
     Returns:
@@ -634,7 +672,7 @@ def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, comm=None) -
         tensor: this rank's input; on ``root`` overwritten with the result, elsewhere
             left as it was.
         root: the rank that receives the result.
-        op: "sum", "avg", "min", "max" or "prod".
+        op: one of ``OPS``: "sum", "avg", "min", "max", "prod", "band", "bor", "bxor".
         comm: None, a ``Pool`` or an mpi4py communicator.
 
     Returns:

@@ -23,6 +23,9 @@ MPI_FILES = [
     ("tests/mpi/check_join.py", [2, 3]),
     ("tests/mpi/check_syncbn.py", [1, 2, 3]),
     ("tests/mpi/check_gpu.py", [2]),
+    ("tests/mpi/check_backend.py", [2, 3, 4]),
+    ("tests/mpi/check_backend_torch.py", [2, 3]),
+    ("tests/mpi/check_backend_fsdp.py", [2, 4]),
 ]
 
 
@@ -39,6 +42,19 @@ def test_mpi_file(path, nprocs):
 def test_host_staging_path(path):
     """The staging used for device memory without CUDA-aware MPI, exercised on CPU tensors."""
     launch.run_pytest(2, path, timeout=300, env={"MPIDP_STAGE_CPU": "1"})
+
+
+@pytest.mark.parametrize("path", ["tests/mpi/check_backend.py", "tests/mpi/check_backend_torch.py"],
+                         ids=lambda value: value.removeprefix("tests/mpi/"))
+def test_torch_distributed_backend_reduces_large_tensors_in_chunks(path):
+    """MPIDP_CHUNK_MB=0.001: every all_reduce over 1 KiB goes chunk by chunk, async ones in turn."""
+    launch.run_pytest(3, path, timeout=300, env={"MPIDP_CHUNK_MB": "0.001"})
+
+
+def test_torch_distributed_backend_under_mpi_thread_serialized():
+    """No progress thread there: every collective completes before it returns, messages at wait()."""
+    launch.run_pytest(2, "tests/mpi/check_backend.py", timeout=300,
+                      env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
@@ -225,6 +241,21 @@ def test_uneven_example_joins_and_ends_with_one_model(source, steps):
 def test_main_example_trains_on_two_ranks():
     result = launch.run(2, ["examples/train.py", "--epochs", "2"], timeout=300)
     assert "final train loss" in result.stdout
+
+
+def test_torch_fsdp_example_equals_one_process():
+    """torch's FSDP2 over the "mpidp" backend; the script itself checks its final model."""
+    out = launch.run(2, ["examples/torch_fsdp.py", "--steps", "30"], timeout=180).stdout
+    assert "step  29: loss" in out
+    assert "2 ranks vs one process: max relative parameter difference" in out
+
+
+def test_distributed_checkpoint_saved_at_4_ranks_loads_at_2(tmp_path):
+    """FSDP2 sharded state through torch.distributed.checkpoint, resharded from 4 ranks to 2."""
+    out = launch.run(4, ["tests/mpi/dcp_reshard.py", "save", str(tmp_path)], timeout=180).stdout
+    assert "saved at 4 ranks" in out and (tmp_path / ".metadata").exists()
+    out = launch.run(2, ["tests/mpi/dcp_reshard.py", "load", str(tmp_path)], timeout=180).stdout
+    assert "loaded at 2 ranks: max |loaded - saved| = 0.0e+00" in out, out
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])

@@ -15,9 +15,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.int32, torch.int64, torch.uint8, torch.bool]
 COUNTS = [1, 7, 1000, 1 << 17]
 NP_COMBINE = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum,
-              "prod": np.multiply}
+              "prod": np.multiply, "band": np.bitwise_and, "bor": np.bitwise_or,
+              "bxor": np.bitwise_xor}
 NP_BOOL_COMBINE = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and,
-                   "prod": np.logical_and}
+                   "prod": np.logical_and, "band": np.logical_and, "bor": np.logical_or,
+                   "bxor": np.logical_xor}
 
 
 def contribution(rank: int, count: int, op: str, dtype: torch.dtype) -> np.ndarray:
@@ -27,6 +29,8 @@ def contribution(rank: int, count: int, op: str, dtype: torch.dtype) -> np.ndarr
         return (index + rank) % 3 == 0
     if op == "prod":
         return 1.0 + (index + rank) % 2
+    if op in ("band", "bor", "bxor"):
+        return (index * 7 + rank * 5) % 64
     return (index % 5 + rank).astype(np.float64)
 
 
@@ -52,7 +56,9 @@ def check_equal(result: torch.Tensor, values: np.ndarray, op: str) -> None:
 
 
 def ops_for(dtype):
-    return [op for op in comm.OPS if op != "avg" or dtype.is_floating_point]
+    return [op for op in comm.OPS
+            if not dtype.is_floating_point or op not in ("band", "bor", "bxor")
+            if op != "avg" or dtype.is_floating_point]
 
 
 @pytest.mark.parametrize("count", COUNTS)
@@ -198,7 +204,8 @@ def test_bad_tensors_and_arguments_are_clear_errors():
         comm.allreduce(torch.ones(3, dtype=torch.complex64))
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor, got list"):
         comm.allreduce([1.0])
-    with pytest.raises(ValueError, match="op must be one of sum, avg, min, max, prod, got 'mean'"):
+    with pytest.raises(ValueError,
+                       match="op must be one of sum, avg, min, max, prod, band, bor, bxor, got 'mean'"):
         comm.allreduce(torch.ones(3), "mean")
     with pytest.raises(TypeError, match="op 'avg' needs a floating-point dtype, got torch.int64"):
         comm.allreduce(torch.ones(3, dtype=torch.int64), "avg")

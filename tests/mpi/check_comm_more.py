@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import comm
+from _expected import BITWISE, as_tensor, check_reduced, contribution, ops_for, reduced  # noqa: F401
 from mpidp.objects import allgather_object, average, broadcast_object
 from mpidp.optimizer import broadcast_optimizer_state
 
@@ -28,32 +29,16 @@ OTHERS = "rank 0" if SIZE == 2 else f"ranks 0-{SIZE - 2}"
 ROOTS = sorted({0, SIZE - 1, SIZE // 2})
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.int32, torch.int64, torch.uint8, torch.bool]
-NP_COMBINE = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum,
-              "prod": np.multiply}
-NP_BOOL_COMBINE = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and,
-                   "prod": np.logical_and}
 
 needs_two = pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
 
 
 # -- expected values -------------------------------------------------------------------------
 
-def contribution(rank: int, count: int, op: str, dtype: torch.dtype) -> np.ndarray:
-    """Rank ``rank``'s input to a reduction: small integers every dtype holds exactly."""
-    index = np.arange(count)
-    if dtype == torch.bool:
-        return (index + rank) % 3 == 0
-    if op == "prod":
-        return 1.0 + (index + rank) % 2
-    return (index % 5 + rank).astype(np.float64)
 
 
-def reduced(count: int, op: str, dtype: torch.dtype) -> np.ndarray:
-    table = NP_BOOL_COMBINE if dtype == torch.bool else NP_COMBINE
-    result = contribution(0, count, op, dtype)
-    for rank in range(1, SIZE):
-        result = table[op](result, contribution(rank, count, op, dtype))
-    return result / SIZE if op == "avg" else result
+
+
 
 
 def payload(rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -63,20 +48,13 @@ def payload(rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
-def as_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
-def check_reduced(result: torch.Tensor, values: np.ndarray, op: str) -> None:
-    if op == "avg":
-        torch.testing.assert_close(result.double(), torch.from_numpy(values).double(),
-                                   rtol=1e-2 if result.element_size() == 2 else 1e-6, atol=0)
-    else:
-        assert torch.equal(result, as_tensor(values, result.dtype)), (result, values)
 
 
-def ops_for(dtype):
-    return [op for op in comm.OPS if op != "avg" or dtype.is_floating_point]
+
+
+
 
 
 def agree_on_every_rank(message: str) -> None:
@@ -589,7 +567,7 @@ BAD_CALLS = {
     "reduce root=size": (lambda c: comm.reduce(torch.ones(4), SIZE, comm=c), ValueError,
                          rf"invalid root {SIZE}, root should be in the interval \[0, {SIZE - 1}\]"),
     "ireduce op=mean": (lambda c: comm.ireduce(torch.ones(4), 0, "mean", comm=c), ValueError,
-                        "op must be one of sum, avg, min, max, prod, got 'mean'"),
+                        "op must be one of sum, avg, min, max, prod, band, bor, bxor, got 'mean'"),
     "reduce avg of int": (lambda c: comm.reduce(torch.ones(4, dtype=torch.int32), 0, "avg", comm=c),
                           TypeError, "op 'avg' needs a floating-point dtype, got torch.int32"),
     "reduce into an expanded tensor": (

@@ -1,0 +1,14 @@
+"""Lightning over the "mpidp" torch.distributed backend, against the same fit over gloo."""
+
+import pytest
+
+import launch
+
+pytest.importorskip("lightning", reason="Lightning is an extra: pip install -e '.[lightning]'")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_lightning_fit_over_mpidp_equals_gloo_and_single_process(strategy):
+    out = launch.run(2, ["tests/mpi/lightning_fit.py", strategy], timeout=300).stdout
+    print(out)
+    assert f"lightning {strategy} at 2 ranks: mpidp vs gloo 0.0e+00" in out
