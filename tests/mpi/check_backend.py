@@ -240,6 +240,18 @@ def test_all_reduce_coalesced_and_the_coalescing_manager():
         if async_ops:
             manager.wait()
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected()))
+        # with device: torch calls the group's _start/_end_coalescing (a group without them
+        # raised there and left torch recording, never running, every later collective)
+        tensors = fresh()
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=async_ops) as manager:
+            for tensor in tensors:
+                dist.all_reduce(tensor)
+        if async_ops:
+            manager.wait()
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected()))
+        after = torch.ones(3)
+        dist.all_reduce(after)
+        assert torch.equal(after, torch.full((3,), float(SIZE)))
 
         inputs = [payload(RANK, 5, torch.float32), payload(RANK, 3, torch.float32, 1)]
         outputs = [torch.empty(SIZE * 5), torch.empty(SIZE * 3)]
