@@ -25,6 +25,8 @@ call one collective blocking on some ranks, async on others). A blocking call
 ``Work`` at once; a progress thread tests the pending requests and
 completes their futures (torch's DDP waits on futures, never calls ``wait()``),
 per group in issue order, so callbacks chained with ``then`` run in that order.
+An all_reduce over ``MPIDP_CHUNK_MB`` (4) goes chunk by chunk on a communicator of
+its own, in the group's order, run by the progress thread for an async call.
 The progress thread calls MPI while the program's threads do, which needs
 ``MPI_THREAD_MULTIPLE``; below it, every call completes before it returns.
 A collective issued from a future's callback (PowerSGD's hook does it) completes
@@ -408,21 +410,24 @@ def _wait(handle, deadline) -> None:
         time.sleep(50e-6)
 
 
+# An all_reduce larger than this goes chunk by chunk (see ProcessGroupMPIDP.allreduce).
+_CHUNK_BYTES = int(_env.number("MPIDP_CHUNK_MB", 4, minimum=0.001) * (1 << 20))
 # MPI moves a nonblocking operation on only inside MPI calls (MPICH, Open MPI without an
 # asynchronous progress thread): after a request is added or completes, the progress
 # thread tests without sleeping for this long, then backs off (a receive that waits for
 # a late message should not keep a core busy).
-_CHUNK_BYTES = int(_env.number("MPIDP_CHUNK_MB", 4, minimum=0.001) * (1 << 20))
 _SPIN_SECONDS = _env.number("MPIDP_PROGRESS_SPIN_MS", 10, minimum=0) / 1e3
 
 
 class _Progress:
     """The thread that tests pending requests and completes their futures.
 
-    It polls with ``MPI_Test`` (a thread blocked in MPICH's ``MPI_Wait`` spins a
-    core anyway, and could not see requests issued after it began waiting),
-    sleeping between rounds: 0 after a completion, then doubling up to
-    ``_MAX_SLEEP``; a new request wakes it at once.
+    It polls with ``MPI_Test`` (a thread blocked in ``MPI_Wait`` could not see
+    requests issued after it began waiting, nor leave the request to a ``wait()``):
+    without sleeping for ``_SPIN_SECONDS`` after a request arrives or completes,
+    then sleeping from 20 us doubling up to ``_MAX_SLEEP``; a new request wakes it
+    at once. A deferred work (a chunked all_reduce) is run by this thread, with
+    blocking calls, when its turn in the group's order comes.
     """
 
     _MAX_SLEEP = 500e-6
