@@ -4,6 +4,7 @@
     mpiexec -n 2 python examples/train_digits.py --data ~/fashion-mnist # IDX files
     mpiexec -n 2 python examples/train_digits.py --checkpoint ck.pt --resume  # start or requeue
     mpiexec -n 2 python examples/train_digits.py --workers 2 --start-method forkserver
+    mpiexec -n 2 python examples/train_digits.py --zero 2    # ZeRO: optimizer state and gradients sharded
 
 With ``--data DIR`` it reads Fashion-MNIST's four IDX files (``train-images-
 idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-...``, optionally ``.gz``)
@@ -16,8 +17,11 @@ with exactly the result of an uninterrupted run; without a checkpoint yet it
 starts afresh, so one job line serves for the first start and every requeue.
 The progress bar updates every 30 s when stderr is not a terminal (a log file,
 or MPICH's mpiexec, which hands ranks a pipe). ``--workers N`` loads batches in
-N DataLoader worker processes per rank, started by ``--start-method``. Every
-mpidp-specific line is tagged "# mpidp:".
+N DataLoader worker processes per rank, started by ``--start-method``.
+``--zero 1`` shards the optimizer's momentum across the ranks (ZeRO stage 1),
+``--zero 2`` the gradients too; the results are the same, and the checkpoint
+holds a plain SGD state either way. Every mpidp-specific line is tagged
+"# mpidp:".
 """
 
 import argparse
@@ -97,6 +101,8 @@ def main():
     parser.add_argument("--checkpoint", type=Path, help="save here after every epoch")
     parser.add_argument("--resume", action="store_true",
                         help="continue from --checkpoint if it exists (else start afresh)")
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
+                        help="shard the optimizer state (1) and the gradients (2) with ZeRO")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--start-method", choices=["fork", "spawn", "forkserver"],
                         help="how workers are started (default: the platform's, fork on Linux)")
@@ -123,7 +129,6 @@ def main():
     features = train_set.tensors[0].shape[1]
     model = nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
                           nn.Linear(128, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start_epoch = 0
     resume = torch.tensor([int(args.resume and args.checkpoint.exists())])
     resume = bool(mpidp.comm.broadcast(resume).item())  # mpidp: rank 0 looked, so every rank agrees
@@ -132,9 +137,15 @@ def main():
     if resume:
         state = torch.load(args.checkpoint, map_location="cpu")  # every rank reads the same file
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"] + 1
     model = mpidp.DistributedDataParallel(model)  # mpidp: the one-line change
+    if args.zero:  # mpidp: each rank keeps 1/N of the momentum (stage 2: of the gradients too)
+        optimizer = mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=args.zero,
+                                                  lr=args.lr, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if resume:
+        optimizer.load_state_dict(state["optimizer"])  # ZeRO: every rank keeps its shard of it
+        start_epoch = state["epoch"] + 1
     loss_fn = nn.CrossEntropyLoss()
 
     # A terminal gets a live bar; a log file an update every 30 s instead of a flood.
@@ -157,6 +168,8 @@ def main():
         validation = evaluate(model, validation_loader, loss_fn)
         mpidp.comm.allreduce(totals)  # mpidp: sum over ranks
         mpidp.comm.allreduce(validation)  # mpidp: sum over ranks
+        if args.zero and args.checkpoint:
+            optimizer.consolidate_state_dict(to=0)  # mpidp: the whole state on rank 0 (collective)
         if rank == 0:  # mpidp: print and save once
             print(f"epoch {epoch}: train loss {totals[0] / totals[2]:.4f} acc {totals[1] / totals[2]:.4f} | "
                   f"validation loss {validation[0] / validation[2]:.4f} acc {validation[1] / validation[2]:.4f} "

@@ -18,7 +18,7 @@ raises ``RuntimeError``.
 # runtime first: it decides, before anything imports mpi4py.MPI, whether that
 # import may initialise MPI (not in a multiprocessing child).
 from . import runtime  # isort: skip
-from . import comm, cuda, kernels, objects, optimizer, process_group, topology, watchdog
+from . import comm, cuda, kernels, objects, optimizer, process_group, topology, watchdog, zero
 from .ddp import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
@@ -26,6 +26,7 @@ from .process_group import init_process_group
 from .runtime import abort_on_exception, barrier, local_rank, local_size, rank, size
 from .sampler import DistributedSampler
 from .syncbn import SyncBatchNorm
+from .zero import ZeroRedundancyOptimizer
 from .topology import topology as rank_topology
 
 __version__ = "0.1.0"
@@ -34,11 +35,12 @@ process_group.register()  # torch.distributed backend "mpidp" and mpidp:// (no M
 
 __all__ = [
     "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm",
+    "ZeroRedundancyOptimizer",
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group",
     "comm", "cuda", "kernels", "objects", "optimizer", "process_group", "runtime", "topology",
-    "watchdog",
+    "watchdog", "zero",
     "rank_topology",
     "__version__",
 ]

@@ -6,7 +6,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-__all__ = ["assign_buckets", "Bucket"]
+__all__ = ["assign_buckets", "Bucket", "Shards"]
 
 
 def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int,
@@ -84,20 +84,91 @@ class Bucket:
         solo: reduce the single parameter's gradient in place.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], solo: bool = False):
+    def __init__(self, params: Sequence[torch.Tensor], solo: bool = False,
+                 shards: "Shards | None" = None):
         if solo and len(params) != 1:
             raise ValueError(f"a solo bucket holds one parameter, got {len(params)}")
         self.solo = solo
         self.divisor = 1  # what the strategy still divides the buffer by
         self.spare: torch.Tensor | None = None
-        if solo:
+        self.shards = shards
+        self.shapes = [p.shape for p in params]
+        if solo or shards is not None:
             self.buffer = None
-            self.views = [None]
+            self.views = [None] * len(params)
             return
-        total = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        self.views: list[torch.Tensor] = []
+        self.bind(torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                              device=params[0].device))
+
+    def bind(self, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` (at least as long as the bucket) the bucket's flat buffer."""
+        if self.shards is not None:
+            buffer = buffer[:self.shards.padded]
+            buffer[self.shards.numel:].zero_()  # the padding is reduced too
+        self.buffer = buffer
+        self.views = []
         offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        for shape in self.shapes:
+            numel = shape.numel()
+            self.views.append(buffer[offset:offset + numel].view(shape))
+            offset += numel
+
+    def unbind(self) -> torch.Tensor:
+        """Detach and return the flat buffer of a sharded bucket (for reuse by another)."""
+        buffer, self.buffer = self.buffer, None
+        self.views = [None] * len(self.shapes)
+        return buffer
+
+
+class Shards:
+    """How a flat buffer of ``numel`` elements is divided among ``world`` ranks, chunk by chunk.
+
+    The buffer is padded with zeros to a multiple of ``world`` and cut into
+    chunks of ``world * block`` elements (the last one shorter, still a
+    multiple of ``world``), ``block`` being ``chunk_elems // world``. Rank ``r``
+    owns the ``r``-th block of every chunk: a reduce-scatter of each chunk
+    leaves every rank its blocks, and an in-place allgather of each chunk
+    brings everyone's back. Both move data one chunk at a time, which keeps a
+    message in the cache (see ``mpidp.overlap`` on chunking), and every rank
+    owns ``padded / world`` elements, whatever the tensor sizes.
+
+    Args:
+        numel: elements in the buffer (the sum of its tensors' sizes).
+        world: number of ranks.
+        chunk_elems: elements per chunk before rounding down to a multiple of
+            ``world`` (at least ``world``).
+    """
+
+    def __init__(self, numel: int, world: int, chunk_elems: int):
+        self.numel = numel
+        self.world = world
+        self.padded = -(-numel // world) * world
+        self.shard_numel = self.padded // world
+        step = world * max(1, chunk_elems // world)
+        self.chunks = [(start, min(start + step, self.padded))
+                       for start in range(0, self.padded, step)]
+
+    def blocks(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, position in the shard)`` of each of ``rank``'s blocks."""
+        found, position = [], 0
+        for start, stop in self.chunks:
+            size = (stop - start) // self.world
+            found.append((start + rank * size, start + (rank + 1) * size, position))
+            position += size
+        return found
+
+    def pieces(self, rank: int, numels: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        """The parts of the tensors (sizes ``numels``, laid end to end) that ``rank`` owns.
+
+        Returns:
+            ``(tensor, start, stop, position)``: elements ``start:stop`` of the
+            flattened tensor number ``tensor`` lie at ``position`` in the shard.
+        """
+        found, offset = [], 0
+        for k, numel in enumerate(numels):
+            for start, stop, position in self.blocks(rank):
+                low, high = max(start, offset), min(stop, offset + numel)
+                if low < high:
+                    found.append((k, low - offset, high - offset, position + low - start))
+            offset += numel
+        return found

@@ -3,22 +3,35 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import weakref
 from numbers import Real
 
 import torch
 from mpi4py import MPI
 from torch import nn
 from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm as _comm
 from . import overlap as _overlap
 from . import watchdog as _watchdog
 from . import runtime, syncbn, topology
 from .kernels import pack, unpack
-from .reducer import Reducer
+from .reducer import Reducer, ShardedReducer
 
-__all__ = ["DistributedDataParallel", "DDP", "broadcast_coalesced"]
+__all__ = ["DistributedDataParallel", "DDP", "broadcast_coalesced", "owner"]
+
+# parameter -> weak reference to the DDP that reduces it (ZeroRedundancyOptimizer(stage=2))
+_OWNERS = WeakIdKeyDictionary()
+
+
+def owner(param: torch.Tensor) -> "DistributedDataParallel | None":
+    """The open ``DistributedDataParallel`` that reduces ``param``'s gradient, if any."""
+    ref = _OWNERS.get(param)
+    ddp = ref() if ref is not None else None
+    return None if ddp is None or ddp._closed or ddp.reducer is None else ddp
 
 _MB = 1024 * 1024
 
@@ -295,6 +308,7 @@ class DistributedDataParallel(nn.Module):
         self._timeout = timeout
         self._closed = False
         self._join: _JoinConfig | None = None
+        self._sink = None  # the stage-2 ZeroRedundancyOptimizer fed by the reducer
         self.pool = self.control = self.reducer = None
         self._connect(base, device)
         if init_sync and self.pool.size > 1:
@@ -357,13 +371,16 @@ class DistributedDataParallel(nn.Module):
         if base == MPI.COMM_WORLD:
             _watchdog.start()  # collective over COMM_WORLD, as this is; a no-op once started
         self.reducer = self._make_reducer(settings["overlap"])
+        for _, param in self._named_params(self.module):
+            _OWNERS[param] = weakref.ref(self)
 
-    def _make_reducer(self, overlap: str) -> Reducer:
+    def _make_reducer(self, overlap: str, sink=None) -> Reducer:
         options = self._options
         named = self._named_params(self.module)
         sparse = _sparse_names(self.module)
         solo = options["inplace_threshold_mb"]
-        return Reducer(named, self.pool, self.control,
+        kind = Reducer if sink is None else functools.partial(ShardedReducer, sink=sink)
+        return kind(named, self.pool, self.control,
                        bucket_cap_bytes=int(options["bucket_cap_mb"] * _MB),
                        first_bucket_bytes=int(options["first_bucket_mb"] * _MB),
                        find_unused_parameters=options["find_unused_parameters"],
@@ -374,9 +391,41 @@ class DistributedDataParallel(nn.Module):
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],
                        static_graph=options["static_graph"], timeout=self._timeout)
 
+    # -- ZeRO stage 2 -----------------------------------------------------------------
+
+    def _stage2_problem(self) -> str | None:
+        """Why this DDP cannot reduce-scatter into a ZeroRedundancyOptimizer, or None (local)."""
+        if self._sink is not None:
+            return "the DistributedDataParallel already feeds a stage-2 ZeroRedundancyOptimizer"
+        if self._options["gradient_as_bucket_view"]:
+            return ("stage=2 keeps only each rank's shard of the gradients, which "
+                    "gradient_as_bucket_view=True cannot give; build the "
+                    "DistributedDataParallel without it")
+        sparse = [name for name, _ in self._named_params(self.module)
+                  if name in _sparse_names(self.module)]
+        if sparse:
+            return (f"stage=2 shards dense gradients only, but {sparse} have sparse gradients; "
+                    f"use stage=1 or sparse=False")
+        return None
+
+    def _shard_gradients(self, sink) -> ShardedReducer:
+        """Reduce-scatter the gradients into ``sink``'s shards from now on (stage 2; collective-free)."""
+        self.reducer.settle()
+        self.reducer.close()
+        self._sink = sink
+        device = next(p for _, p in self._named_params(self.module)).device
+        self.reducer = self._make_reducer(self._settings(device)["overlap"], sink=sink)
+        return self.reducer
+
     def _apply(self, fn, recurse=True):
         # .to(), .double(), .half(), .cuda() ... on the wrapper: rebuild the
         # buckets for the parameters' new dtype or device, on every rank alike.
+        if getattr(self, "_sink", None) is not None:
+            raise RuntimeError(
+                "DistributedDataParallel: the module cannot be converted (.to(), .double()...) "
+                "once a stage-2 ZeroRedundancyOptimizer shards its gradients: the optimizer's "
+                "flat buffers hold the parameters. Convert the module before building the "
+                "optimizer")
         result = super()._apply(fn, recurse)
         if getattr(self, "reducer", None) is not None:
             self.reducer.settle()
@@ -480,6 +529,11 @@ class DistributedDataParallel(nn.Module):
             return
         if self._join is not None:
             raise RuntimeError("DistributedDataParallel.join() is already active; do not nest it")
+        if self._sink is not None:
+            raise RuntimeError("DistributedDataParallel.join() cannot shadow a stage-2 "
+                               "ZeroRedundancyOptimizer's step (its parameter allgather); give "
+                               "every rank the same number of batches (DistributedSampler with "
+                               "drop_last=True)")
         if self.reducer is None:
             self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
         layers = [m for m in self.module.modules() if isinstance(m, syncbn.SyncBatchNorm)]
@@ -627,7 +681,7 @@ class DistributedDataParallel(nn.Module):
                             "MPI.COMM_WORLD cannot be pickled (as torch's, which needs the "
                             "default process group); pickle ddp.module instead")
         state = super().__getstate__()
-        state.update(pool=None, control=None, reducer=None)
+        state.update(pool=None, control=None, reducer=None, _sink=None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -1,7 +1,9 @@
 """How bucket allreduces run alongside the backward pass.
 
 The reducer hands each ready bucket to one of these strategies, in bucket
-order, and calls ``finish()`` at the end of the backward pass:
+order, and calls ``finish()`` at the end of the backward pass. ``start(buffer,
+divisor)`` allreduces the buffer; with ``pairs`` (ZeRO stage 2) it
+reduce-scatters each (input chunk, output shard) pair instead:
 
 | name          | how                                                | pays off when                                   |
 |---------------|----------------------------------------------------|-------------------------------------------------|
@@ -50,6 +52,13 @@ class _Strategy:
                 piece.div_(divisor)
             yield piece
 
+    def _each(self, buffer, divisor, pairs, allreduce, reduce_scatter) -> list:
+        # pairs: (input chunk, output) of a reduce-scatter per chunk (ZeRO stage 2)
+        if pairs is None:
+            return [allreduce(piece, "sum", comm=self.pool)
+                    for piece in self._pieces(buffer, divisor)]
+        return [reduce_scatter(output, piece, "sum", comm=self.pool) for piece, output in pairs]
+
     def poll(self) -> None:
         """Let in-flight work progress (called from every gradient hook)."""
 
@@ -65,9 +74,9 @@ class Nonblocking(_Strategy):
         self._handles: list[_comm.Handle] = []
         self._oldest = 0
 
-    def start(self, buffer: torch.Tensor, divisor: int = 1) -> None:
-        self._handles.extend(_comm.iallreduce(piece, "sum", comm=self.pool)
-                             for piece in self._pieces(buffer, divisor))
+    def start(self, buffer: torch.Tensor, divisor: int = 1, pairs=None) -> None:
+        self._handles.extend(self._each(buffer, divisor, pairs,
+                                        _comm.iallreduce, _comm.ireduce_scatter))
 
     def poll(self) -> None:
         # MPI progresses every pending request in any test call; testing the
@@ -84,9 +93,8 @@ class Nonblocking(_Strategy):
 class Blocking(_Strategy):
     """Blocking collectives issued from the hook as soon as a bucket is ready."""
 
-    def start(self, buffer: torch.Tensor, divisor: int = 1) -> None:
-        for piece in self._pieces(buffer, divisor):
-            _comm.allreduce(piece, "sum", comm=self.pool)
+    def start(self, buffer: torch.Tensor, divisor: int = 1, pairs=None) -> None:
+        self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
 
     def finish(self) -> None:
         pass
@@ -124,25 +132,24 @@ class Threaded(_Strategy):
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _reduce(self, buffer: torch.Tensor, divisor: int, ready) -> None:
+    def _reduce(self, buffer: torch.Tensor, divisor: int, pairs, ready) -> None:
         if ready is None:
-            for piece in self._pieces(buffer, divisor):
-                _comm.allreduce(piece, "sum", comm=self.pool)
+            self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
             return
         stream = self._streams[buffer.device]
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            for piece in self._pieces(buffer, divisor):
-                _comm.allreduce(piece, "sum", comm=self.pool)  # syncs `stream` first
+            # each collective syncs `stream` first
+            self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
 
-    def start(self, buffer: torch.Tensor, divisor: int = 1) -> None:
+    def start(self, buffer: torch.Tensor, divisor: int = 1, pairs=None) -> None:
         ready = None
         if buffer.device.type == "cuda":
             if buffer.device not in self._streams:
                 self._streams[buffer.device] = torch.cuda.Stream(buffer.device)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(buffer.device))
-        self._queue.put((buffer, divisor, ready, *_watchdog.handoff()))
+        self._queue.put((buffer, divisor, pairs, ready, *_watchdog.handoff()))
 
     def finish(self) -> None:
         self._queue.join()

@@ -49,10 +49,10 @@ from . import comm as _comm
 from . import overlap as _overlap
 from . import sparse as _sparse
 from . import watchdog as _watchdog
-from .buckets import Bucket, assign_buckets
+from .buckets import Bucket, Shards, assign_buckets
 from .kernels import unpack
 
-__all__ = ["Reducer", "find_tensors", "reachable_parameters"]
+__all__ = ["Reducer", "ShardedReducer", "find_tensors", "reachable_parameters"]
 
 _ARMED, _RUNNING, _DONE = "armed", "running", "done"
 _TIMEOUT_SOURCE = "DistributedDataParallel(timeout=)"
@@ -203,15 +203,21 @@ class Reducer:
         return (len(members) == 1 and self._solo_bytes is not None
                 and param.numel() * param.element_size() >= self._solo_bytes)
 
+    def _bucket(self, members: list[int]) -> Bucket:
+        return Bucket([self.params[i] for i in members], solo=self._is_solo(members))
+
     def _build(self, layout: list[list[int]]) -> None:
         self.layout = layout
-        self.buckets = [Bucket([self.params[i] for i in members], solo=self._is_solo(members))
-                        for members in layout]
+        self.buckets = [self._bucket(members) for members in layout]
         self._position = {id(bucket): k for k, bucket in enumerate(self.buckets)}
-        self._slot: list[tuple[Bucket, torch.Tensor] | None] = [None] * len(self.params)
+        # (bucket, position in it) of each parameter; None: sparse, never bucketed
+        self._slot: list[tuple[Bucket, int] | None] = [None] * len(self.params)
         for bucket, members in zip(self.buckets, layout):
-            for index, view in zip(members, bucket.views):
-                self._slot[index] = (bucket, view)
+            for k, index in enumerate(members):
+                self._slot[index] = (bucket, k)
+
+    def _slots(self):
+        return ((slot if slot is not None else (None, None)) for slot in self._slot)
 
     def _rebuild_in_arrival_order(self) -> None:
         arrived = set(self._arrival)
@@ -222,11 +228,11 @@ class Reducer:
         layout = self._assign(shared.tolist())
         if layout == self.layout:
             return
-        old_views = [slot[1] if slot else None for slot in self._slot]
+        old_views = [bucket.views[k] if bucket is not None else None for bucket, k in self._slots()]
         self._build(layout)
         if self.as_view:
-            for param, old, slot in zip(self.params, old_views, self._slot):
-                new = slot[1] if slot else None
+            for param, old, (bucket, k) in zip(self.params, old_views, self._slots()):
+                new = bucket.views[k] if bucket is not None else None
                 if old is None or new is None:
                     continue
                 if param.grad is not None and param.grad.data_ptr() == old.data_ptr():
@@ -376,7 +382,7 @@ class Reducer:
         if self.as_view and slot is not None and not slot[0].solo:
             # Free a freshly allocated gradient now (after zero_grad(set_to_none=True)),
             # not at the end of backward: the bucket slice is the gradient from here on.
-            param.grad = slot[1]
+            param.grad = slot[0].views[slot[1]]
         self.strategy.poll()
 
     def _begin(self, step: _Step) -> None:
@@ -400,7 +406,8 @@ class Reducer:
         slot = self._slot[index]
         if slot is None:
             return  # sparse: gathered at the end of the backward
-        bucket, view = slot
+        bucket, k = slot
+        view = bucket.views[k]
         grad = None if zero else self.params[index].grad
         with torch.no_grad():
             if bucket.solo:
@@ -442,7 +449,10 @@ class Reducer:
             step.next_launch += 1
             with _watchdog.Scope(_bucket_label, self._steps, step.next_launch, len(self.buckets),
                                  bucket.buffer, timeout=self.timeout, source=_TIMEOUT_SOURCE):
-                self.strategy.start(bucket.buffer, bucket.divisor)
+                self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        self.strategy.start(bucket.buffer, bucket.divisor)
 
     # -- end of a step ----------------------------------------------------------------
 
@@ -577,3 +587,107 @@ class Reducer:
             f"DistributedDataParallel if parts of the model may not take part in the loss, or "
             f"set requires_grad=False on parameters that never do. This step reduced them "
             f"as zeros (or their earlier .grad) so that no rank hangs.")
+
+
+class ShardedReducer(Reducer):
+    """ZeRO stage 2: each bucket is reduce-scattered into its owners' gradient shards.
+
+    The buckets have no buffer of their own. A bucket takes a flat buffer from
+    a free list when its first gradient arrives; each gradient is copied in
+    (divided by the world size, as always) and its ``.grad`` is released at
+    once; the buffer goes back to the list as soon as the bucket's
+    reduce-scatter has returned (the "inline" strategy) or at the end of the
+    backward pass (the others). So the full-size gradients alive at any time are
+    those of the buckets being filled, not the model's. The bucket layout is
+    fixed (reverse registration order, no rebuild) because the optimizer's
+    shards follow it: rank ``r`` owns the ``r``-th block of every chunk of every
+    bucket (``mpidp.buckets.Shards``).
+
+    After a synced backward every ``param.grad`` is None; ``sink`` (the
+    ``ZeroRedundancyOptimizer``) holds this rank's averaged shard:
+    ``sink.grad_target(k)`` gives the flat tensor that bucket ``k``'s shard is
+    written to, and ``sink.reduced(used)`` is told, per parameter,
+    which parameters have a gradient (False: unused on every rank), once the
+    ranks agree that the step is good.
+
+    Args:
+        sink: the receiver of the shards (see above).
+        Otherwise those of ``Reducer``; ``gradient_as_bucket_view`` and
+        ``predict_order`` are forced off, and sparse gradients are refused by
+        the caller. ``solo_bytes`` gives big gradients a bucket of their own,
+        reduce-scattered where they lie when their size divides by the world.
+    """
+
+    def __init__(self, named_params, pool, control, *, sink, **options):
+        self.sink = sink
+        self._spares: list[torch.Tensor] = []
+        self._bound: dict[int, tuple[Bucket, torch.Tensor]] = {}
+        options.update(gradient_as_bucket_view=False, predict_order=False)
+        super().__init__(named_params, pool, control, **options)
+
+    def _bucket(self, members: list[int]) -> Bucket:
+        params = [self.params[i] for i in members]
+        chunk = max(1, self.strategy.chunk_bytes // params[0].element_size())
+        numel = sum(p.numel() for p in params)
+        bucket = Bucket(params, shards=Shards(numel, self.world, chunk))
+        bucket.key = (params[0].dtype, params[0].device)
+        # A gradient alone in its bucket (solo_bytes puts big ones there) needs no
+        # padding when its size divides by the world: it is reduce-scattered
+        # where it lies, with no copy and no second buffer.
+        bucket.direct = len(params) == 1 and numel % self.world == 0
+        return bucket
+
+    def _bind(self, bucket: Bucket) -> None:
+        dtype, device = bucket.key
+        need = bucket.shards.padded
+        for k, spare in enumerate(self._spares):
+            if spare.dtype == dtype and spare.device == device and spare.numel() >= need:
+                base = self._spares.pop(k)
+                break
+        else:
+            base = torch.empty(need, dtype=dtype, device=device)
+        bucket.bind(base)
+        self._bound[id(bucket)] = (bucket, base)
+
+    def _release(self, bucket: Bucket) -> None:
+        bucket, base = self._bound.pop(id(bucket))
+        bucket.unbind()
+        if base is not None:  # None: the gradient itself, freed with it
+            self._spares.append(base)
+
+    def _mark_ready(self, step: _Step, index: int, arrived: bool = False,
+                    zero: bool = False) -> None:
+        slot = self._slot[index]
+        if slot is not None and slot[0].buffer is None and not step.ready[index]:
+            grad = self.params[index].grad
+            if (slot[0].direct and arrived and not zero and grad is not None
+                    and grad.is_contiguous()):
+                slot[0].bind(grad.view(-1))  # Reducer._mark_ready divides it in place
+                self._bound[id(slot[0])] = (slot[0], None)
+            else:
+                self._bind(slot[0])
+        super()._mark_ready(step, index, arrived, zero)
+        if arrived:
+            self.params[index].grad = None  # its share is in the bucket now
+
+    def _start(self, bucket: Bucket) -> None:
+        target = self.sink.grad_target(self._position[id(bucket)])
+        shards = bucket.shards
+        pairs = [(bucket.buffer[start:stop], target[position:position + (stop - start) // self.world])
+                 for (start, stop), (_, _, position) in zip(shards.chunks, shards.blocks(0))]
+        self.strategy.start(bucket.buffer, 1, pairs)
+        if isinstance(self.strategy, _overlap.Blocking):
+            self._release(bucket)  # reduced already: the buffer can serve the next bucket
+
+    def _finish(self, step: _Step, failed: bool, joined: bool = False) -> None:
+        try:
+            super()._finish(step, failed, joined)
+        finally:
+            for bucket, _ in list(self._bound.values()):
+                self._release(bucket)
+
+    def _copy_back(self, counts: list[int]) -> None:
+        # As in Reducer._copy_back: only a parameter unused on every rank (known
+        # with find_unused_parameters or static_graph) is left without a gradient.
+        known = self.find_unused or self.static_graph
+        self.sink.reduced([count > 0 or not known for count in counts[:len(self.params)]])

@@ -27,6 +27,7 @@ MPI_FILES = [
     ("tests/mpi/check_backend.py", [2, 4]),
     ("tests/mpi/check_backend_torch.py", [2]),
     ("tests/mpi/check_backend_fsdp.py", [2, 4]),
+    ("tests/mpi/check_zero.py", [2, 3, 4]),
 ]
 
 
@@ -259,6 +260,19 @@ def test_distributed_checkpoint_saved_at_4_ranks_loads_at_2(tmp_path):
     assert "loaded at 2 ranks: max |loaded - saved| = 0.0e+00" in out, out
 
 
+@pytest.mark.parametrize("saved,loaded,stage", [(4, 2, 2), (2, 4, 1)])
+def test_zero_sharded_checkpoint_reshards(tmp_path, saved, loaded, stage):
+    """ZeroRedundancyOptimizer.save_sharded at one world size, load_sharded at another; the
+    script checks the loaded state and 10 more steps against one process training straight."""
+    script = "tests/mpi/zero_reshard.py"
+    out = launch.run(saved, [script, "save", str(tmp_path), str(stage)], timeout=180).stdout
+    assert f"saved at {saved} ranks, stage {stage}" in out, out
+    assert len(list(tmp_path.glob("zero-rank*-of-*.pt"))) == saved
+    out = launch.run(loaded, [script, "load", str(tmp_path), str(stage)], timeout=180).stdout
+    assert f"loaded at {loaded} ranks, stage {stage}: optimizer state vs one process" in out, out
+    assert "max relative difference from one process training 20 steps = " in out, out
+
+
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_info_report(nprocs):
     out = launch.run(nprocs, ["-m", "mpidp", "info"], timeout=120).stdout
@@ -296,9 +310,13 @@ def test_lab_example(script):
 
 def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
     straight = launch.run(2, ["examples/train_digits.py", "--epochs", "3"], timeout=180).stdout
+    sharded = launch.run(2, ["examples/train_digits.py", "--epochs", "3", "--zero", "2"],
+                         timeout=180).stdout
     checkpoint = tmp_path / "ck.pt"
+    # The first part trains with ZeRO stage 1; its consolidated checkpoint
+    # holds a plain SGD state, which the resumed run (no ZeRO) loads.
     first = launch.run(2, ["examples/train_digits.py", "--epochs", "2", "--checkpoint", str(checkpoint),
-                           "--resume"], timeout=180)  # no checkpoint yet: starts afresh
+                           "--resume", "--zero", "1"], timeout=180)  # no checkpoint yet: starts afresh
     assert first.stdout.startswith(f"no checkpoint at {checkpoint} yet: starting from epoch 0\nepoch 0:")
     assert first.stderr.count("\r") <= 4  # stderr is no terminal: no stream of bar updates
     assert checkpoint.exists() and not checkpoint.with_name("ck.pt.partial").exists()
@@ -312,6 +330,7 @@ def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
                 for line in out.splitlines() if line.startswith(("epoch 2", "final"))]
     last = metrics(straight)
     assert last == metrics(resumed)
+    assert last == metrics(sharded)  # ZeRO stage 2, SGD with momentum: the same numbers
     accuracy = float(last[0].split("validation loss")[1].split("acc")[1].split()[0])
     assert accuracy > 0.9
 

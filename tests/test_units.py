@@ -12,7 +12,7 @@ from torch import nn
 
 import mpidp
 from mpidp import cuda, topology
-from mpidp.buckets import assign_buckets
+from mpidp.buckets import Shards, assign_buckets
 from mpidp.ddp import first_mismatch
 from mpidp.kernels import pack, unpack
 
@@ -68,6 +68,67 @@ def test_bucket_assignment_follows_a_given_arrival_order():
 def test_bucket_assignment_rejects_bad_caps():
     with pytest.raises(ValueError, match="bucket caps must be > 0, got 0 and 10"):
         assign_buckets([1], [F32], cap_bytes=0, first_cap_bytes=10)
+
+
+def _check_shards(numels: list[int], world: int, chunk_elems: int) -> None:
+    """Every element of the tensors laid end to end is owned by exactly one rank, at the
+    position its rank's blocks give it, and every rank's shard has the same size."""
+    total = sum(numels)
+    shards = Shards(total, world, chunk_elems)
+    assert shards.numel == total
+    assert shards.padded % world == 0 and 0 <= shards.padded - total < world
+    assert shards.shard_numel * world == shards.padded
+    step = world * max(1, chunk_elems // world)
+    assert shards.chunks[0][0] == 0 and shards.chunks[-1][1] == shards.padded
+    for (start, stop), (after, _) in zip(shards.chunks, shards.chunks[1:]):
+        assert stop == after and stop - start == step  # all full but the last
+    for start, stop in shards.chunks:
+        assert 0 < stop - start <= step and (stop - start) % world == 0
+    flat = torch.arange(shards.padded)
+    offsets = [sum(numels[:k]) for k in range(len(numels))]
+    owner = torch.full((total,), -1)
+    for rank in range(world):
+        blocks = shards.blocks(rank)
+        assert [position for _, _, position in blocks] == \
+            [sum(b - a for a, b, _ in blocks[:k]) for k in range(len(blocks))]
+        shard = torch.cat([flat[low:high] for low, high, _ in blocks])
+        assert shard.numel() == shards.shard_numel  # equal on every rank
+        for tensor, start, stop, position in shards.pieces(rank, numels):
+            assert 0 <= start < stop <= numels[tensor]
+            elements = torch.arange(offsets[tensor] + start, offsets[tensor] + stop)
+            assert torch.equal(shard[position:position + stop - start], elements)
+            assert (owner[elements] == -1).all(), "an element owned twice"
+            owner[elements] = rank
+    assert (owner >= 0).all(), f"elements owned by nobody: {(owner < 0).nonzero().flatten()}"
+
+
+@pytest.mark.parametrize("numels,world,chunk_elems", [
+    ([1], 1, 1), ([1], 4, 1), ([1], 4, 1000), ([7], 3, 1), ([10], 4, 3), ([12], 4, 4),
+    ([100], 4, 8), ([320, 32, 1024, 32, 160, 5], 3, 131), ([131], 4, 131), ([5, 0, 7], 2, 3),
+    ([1, 1, 1], 4, 5), ([1000], 7, 100), ([33, 1, 64], 4, 1 << 20)])
+def test_shards_give_every_element_to_exactly_one_rank(numels, world, chunk_elems):
+    _check_shards(numels, world, chunk_elems)
+
+
+def test_shards_give_every_element_to_exactly_one_rank_in_a_sweep():
+    generator = torch.Generator().manual_seed(0)
+    for world in range(1, 6):
+        for chunk_elems in (1, 2, 3, 5, 8, 13, 64):
+            for _ in range(6):
+                count = int(torch.randint(1, 5, (), generator=generator))
+                numels = torch.randint(0, 40, (count,), generator=generator).tolist()
+                if sum(numels) > 0:
+                    _check_shards(numels, world, chunk_elems)
+
+
+def test_shards_of_a_big_tensor_split_it_between_all_ranks_evenly():
+    shards = Shards(1000, 4, 64)  # chunks of 64: 16 elements of each per rank
+    assert shards.padded == 1000 and shards.shard_numel == 250 and len(shards.chunks) == 16
+    per_rank = [shards.pieces(rank, [1000]) for rank in range(4)]
+    for rank, pieces in enumerate(per_rank):
+        assert sum(stop - start for _, start, stop, _ in pieces) == 250
+        assert pieces[0][1:3] == (16 * rank, 16 * rank + 16)
+    assert Shards(10, 4, 100).padded == 12 and Shards(10, 4, 100).chunks == [(0, 12)]
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
