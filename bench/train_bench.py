@@ -17,6 +17,9 @@ alike. A step's time is the slowest rank's. Modes:
   ``predict`` (0/1), ``poll`` (0/1: the hooks' progress polling), ``overlap``
   (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off),
   ``buffers`` (0/1: broadcast_buffers).
+- ``mpidp+HOOK``, ``ddp-gloo+HOOK``: with a comm hook, HOOK one of fp16, bf16,
+  powersgd (rank 4, compressing from the third step): mpidp's own hooks on
+  mpidp, torch's on torch's DDP.
 
 With ``--memory`` a single mode runs and the peak resident memory is reported.
 With ``--device cuda`` every rank trains on the GPU of its local rank (2 ranks
@@ -55,9 +58,41 @@ def init_gloo():
                             rank=COMM.rank, world_size=COMM.size)
 
 
+# "+hook" after a DDP mode registers that comm hook: mpidp's (mpidp.hooks) on
+# "mpidp", torch's (torch.distributed.algorithms.ddp_comm_hooks) on "ddp-gloo".
+HOOKS = ("fp16", "bf16", "powersgd")
+POWERSGD = dict(matrix_approximation_rank=4, start_powerSGD_iter=2)  # compressing after warm-up
+
+
+def comm_hook(name: str, hook: str, group):
+    """(state, hook) of ``hook`` for DDP mode ``name`` (torch's hooks get the gloo group)."""
+    if name == "mpidp":
+        from mpidp import hooks
+
+        if hook == "powersgd":
+            return hooks.PowerSGDState(None, **POWERSGD), hooks.powerSGD_hook
+        return None, getattr(hooks, f"{hook}_compress_hook")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "powersgd":
+        return powerSGD_hook.PowerSGDState(group, **POWERSGD), powerSGD_hook.powerSGD_hook
+    if hook == "bf16":
+        # torch's DDP refuses its bf16 hooks (by name) without NCCL; the same steps, renamed:
+        wrapped = default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)
+
+        def bf16_over_gloo(state, bucket):
+            return wrapped(state, bucket)
+
+        return group, bf16_over_gloo
+    return group, getattr(default_hooks, f"{hook}_compress_hook")
+
+
 def parse_mode(spec: str) -> tuple[str, dict]:
     name, _, options = spec.partition(":")
-    settings = {}
+    name, _, hook = name.partition("+")
+    if hook and hook not in HOOKS:
+        raise ValueError(f"unknown hook {hook!r} in mode {spec!r}, expected one of {HOOKS}")
+    settings = {"hook": hook} if hook else {}
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
         settings[key] = float(value)
@@ -88,9 +123,13 @@ class Runner:
         if self.name in ("local", "naive", "flat"):
             return model
         if self.name in ("ddp-gloo", "ddp-mpidp"):
-            return nn.parallel.DistributedDataParallel(
+            wrapped = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device] if self.device.type == "cuda" else None,
                 process_group=GROUPS[self.name])
+            if "hook" in self.settings:
+                wrapped.register_comm_hook(*comm_hook(self.name, self.settings["hook"],
+                                                      GROUPS[self.name]))
+            return wrapped
         if self.name != "mpidp":
             raise ValueError(f"unknown mode {self.spec!r}")
         options = dict(gradient_as_bucket_view=bool(self.settings.get("view", 0)),
@@ -107,6 +146,8 @@ class Runner:
         if "overlap" in self.settings:
             options["overlap"] = ("nonblocking", "thread", "inline")[int(self.settings["overlap"])]
         wrapped = mpidp.DistributedDataParallel(model, **options)
+        if "hook" in self.settings:
+            wrapped.register_comm_hook(*comm_hook("mpidp", self.settings["hook"], None))
         if not self.settings.get("poll", 1):
             wrapped.reducer.strategy.poll = lambda: None
         finish = wrapped.reducer._finish

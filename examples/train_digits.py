@@ -18,6 +18,7 @@ starts afresh, so one job line serves for the first start and every requeue.
 The progress bar updates every 30 s when stderr is not a terminal (a log file,
 or MPICH's mpiexec, which hands ranks a pipe). ``--workers N`` loads batches in
 N DataLoader worker processes per rank, started by ``--start-method``.
+``--comm-hook fp16|bf16|powersgd`` sends compressed gradients (``mpidp.hooks``).
 ``--zero 1`` shards the optimizer's momentum across the ranks (ZeRO stage 1),
 ``--zero 2`` the gradients too; the results are the same, and the checkpoint
 holds a plain SGD state either way. Every mpidp-specific line is tagged
@@ -103,6 +104,8 @@ def main():
                         help="continue from --checkpoint if it exists (else start afresh)")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
                         help="shard the optimizer state (1) and the gradients (2) with ZeRO")
+    parser.add_argument("--comm-hook", choices=["fp16", "bf16", "powersgd"],
+                        help="compress the gradients on the wire (mpidp.hooks)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--start-method", choices=["fork", "spawn", "forkserver"],
                         help="how workers are started (default: the platform's, fork on Linux)")
@@ -138,6 +141,12 @@ def main():
         state = torch.load(args.checkpoint, map_location="cpu")  # every rank reads the same file
         model.load_state_dict(state["model"])
     model = mpidp.DistributedDataParallel(model)  # mpidp: the one-line change
+    if args.comm_hook == "powersgd":  # mpidp: send low-rank factors (after 10 exact steps)
+        model.register_comm_hook(mpidp.hooks.PowerSGDState(None, matrix_approximation_rank=4,
+                                                            start_powerSGD_iter=10),
+                                 mpidp.hooks.powerSGD_hook)
+    elif args.comm_hook:  # mpidp: send 16-bit gradients
+        model.register_comm_hook(None, getattr(mpidp.hooks, f"{args.comm_hook}_compress_hook"))
     if args.zero:  # mpidp: each rank keeps 1/N of the momentum (stage 2: of the gradients too)
         optimizer = mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=args.zero,
                                                   lr=args.lr, momentum=0.9)

@@ -309,6 +309,7 @@ class DistributedDataParallel(nn.Module):
         self._closed = False
         self._join: _JoinConfig | None = None
         self._sink = None  # the stage-2 ZeroRedundancyOptimizer fed by the reducer
+        self._comm_hook = None  # (state, hook): register_comm_hook
         self.pool = self.control = self.reducer = None
         self._connect(base, device)
         if init_sync and self.pool.size > 1:
@@ -380,7 +381,7 @@ class DistributedDataParallel(nn.Module):
         sparse = _sparse_names(self.module)
         solo = options["inplace_threshold_mb"]
         kind = Reducer if sink is None else functools.partial(ShardedReducer, sink=sink)
-        return kind(named, self.pool, self.control,
+        reducer = kind(named, self.pool, self.control,
                        bucket_cap_bytes=int(options["bucket_cap_mb"] * _MB),
                        first_bucket_bytes=int(options["first_bucket_mb"] * _MB),
                        find_unused_parameters=options["find_unused_parameters"],
@@ -390,6 +391,61 @@ class DistributedDataParallel(nn.Module):
                        solo_bytes=None if solo is None else int(solo * _MB),
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],
                        static_graph=options["static_graph"], timeout=self._timeout)
+        reducer.comm_hook = getattr(self, "_comm_hook", None)
+        return reducer
+
+    # -- communication hooks and statistics -------------------------------------------
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the allreduce (collective).
+
+        torch's contract: ``hook`` returns a ``torch.futures.Future`` whose
+        value is the bucket's averaged flat tensor; it is called once per
+        bucket, in bucket order, with ``bucket`` a ``mpidp.hooks.GradBucket``
+        holding the local sum of the gradients (not yet divided: the hook
+        averages). Register once, on every rank, before the first synced
+        backward. mpidp's hooks are in ``mpidp.hooks``; torch's
+        (``torch.distributed.algorithms.ddp_comm_hooks``) work with a process
+        group of the "mpidp" backend as ``state``. Sparse gradients keep being
+        gathered without the hook.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        if self.reducer is None:
+            self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
+        problem = None
+        if self._comm_hook is not None:
+            problem = "register_comm_hook can only be called once (as in torch)"
+        elif self._sink is not None:
+            problem = ("a comm hook cannot reduce the buckets of a stage-2 "
+                       "ZeroRedundancyOptimizer, which reduce-scatters them")
+        elif self.reducer.stats or (self.reducer._step is not None
+                                    and self.reducer._step.state != "armed"):
+            problem = ("register_comm_hook must be called before the first backward (as torch "
+                       "requires): buckets were already reduced another way")
+        name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
+        reports = self.control.allgather((name, problem))
+        names = {rank: report[0] for rank, report in enumerate(reports)}
+        problems = [report[1] for report in reports if report[1] is not None]
+        if problems:
+            raise RuntimeError(f"DistributedDataParallel.register_comm_hook: {problems[0]}")
+        if len(set(names.values())) > 1:
+            raise ValueError(f"DistributedDataParallel.register_comm_hook: the ranks register "
+                             f"different hooks ({names}); every rank must register the same")
+        self._comm_hook = (state, hook)
+        self.reducer.comm_hook = self._comm_hook
+
+    def stats(self) -> list[dict]:
+        """What the last synced steps (up to 100) communicated, oldest first.
+
+        Each step: ``step`` (its number), ``bytes`` (of the buckets reduced),
+        ``collectives`` (bucket collectives, counting chunks, or hook calls,
+        plus the bookkeeping allreduce), ``reduction_s`` (from the first bucket
+        handed to communication to the last reduction done) and ``wait_s``
+        (how long the end of the backward pass waited for communication).
+        Recorded always: a few clock reads per bucket.
+        """
+        return [] if self.reducer is None else [dict(entry) for entry in self.reducer.stats]
 
     # -- ZeRO stage 2 -----------------------------------------------------------------
 
@@ -397,6 +453,8 @@ class DistributedDataParallel(nn.Module):
         """Why this DDP cannot reduce-scatter into a ZeroRedundancyOptimizer, or None (local)."""
         if self._sink is not None:
             return "the DistributedDataParallel already feeds a stage-2 ZeroRedundancyOptimizer"
+        if self._comm_hook is not None:
+            return "the DistributedDataParallel reduces its buckets with a comm hook"
         if self._options["gradient_as_bucket_view"]:
             return ("stage=2 keeps only each rank's shard of the gradients, which "
                     "gradient_as_bucket_view=True cannot give; build the "
@@ -529,6 +587,10 @@ class DistributedDataParallel(nn.Module):
             return
         if self._join is not None:
             raise RuntimeError("DistributedDataParallel.join() is already active; do not nest it")
+        if self._comm_hook is not None:
+            raise RuntimeError("DistributedDataParallel.join() does not support a comm hook: "
+                               "a joined rank cannot run the hook's collectives in step; give "
+                               "every rank the same number of batches")
         if self._sink is not None:
             raise RuntimeError("DistributedDataParallel.join() cannot shadow a stage-2 "
                                "ZeroRedundancyOptimizer's step (its parameter allgather); give "
@@ -681,7 +743,7 @@ class DistributedDataParallel(nn.Module):
                             "MPI.COMM_WORLD cannot be pickled (as torch's, which needs the "
                             "default process group); pickle ddp.module instead")
         state = super().__getstate__()
-        state.update(pool=None, control=None, reducer=None, _sink=None)
+        state.update(pool=None, control=None, reducer=None, _sink=None, _comm_hook=None)
         return state
 
     def __setstate__(self, state: dict) -> None:

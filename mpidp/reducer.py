@@ -38,9 +38,11 @@ step with its communicators lined up.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Sequence
 
 import torch
@@ -50,12 +52,14 @@ from . import overlap as _overlap
 from . import sparse as _sparse
 from . import watchdog as _watchdog
 from .buckets import Bucket, Shards, assign_buckets
+from .hooks import GradBucket
 from .kernels import unpack
 
 __all__ = ["Reducer", "ShardedReducer", "find_tensors", "reachable_parameters"]
 
 _ARMED, _RUNNING, _DONE = "armed", "running", "done"
 _TIMEOUT_SOURCE = "DistributedDataParallel(timeout=)"
+STATS_KEPT = 100
 
 
 def _bucket_label(step: int, index: int, count: int, buffer: torch.Tensor) -> str:
@@ -160,6 +164,12 @@ class Reducer:
         self.world = pool.size
         self.strategy = _overlap.make(overlap, pool, chunk_bytes, self.params[0].device)
         self._divisor = self.world  # what gradients are divided by (join(): the active ranks)
+        self.comm_hook = None  # (state, hook) of DistributedDataParallel.register_comm_hook
+        self._futures: list = []  # (bucket, the hook's future) of the running step
+        # Per synced step, the last STATS_KEPT: see DistributedDataParallel.stats().
+        self.stats: collections.deque = collections.deque(maxlen=STATS_KEPT)
+        self._first_start: float | None = None
+        self._step_bytes = self._step_collectives = 0
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -415,10 +425,10 @@ class Reducer:
             elif grad is None:
                 view.zero_()
             elif grad.data_ptr() == view.data_ptr():
-                if self._divisor > 1:
-                    view.div_(self._divisor)
+                if self._scale > 1:
+                    view.div_(self._scale)
             else:
-                torch.div(grad, self._divisor, out=view)
+                torch.div(grad, self._scale, out=view)
         position = self._position[id(bucket)]
         step.pending[position] -= 1
         if step.pending[position] == 0:
@@ -430,14 +440,14 @@ class Reducer:
         # did not take part) goes through a spare buffer and leaves .grad alone.
         if arrived and grad is not None and grad.is_contiguous():
             bucket.buffer = grad.view(-1)
-            bucket.divisor = self._divisor  # divided chunk by chunk by the strategy
+            bucket.divisor = self._scale  # divided chunk by chunk by the strategy
             return
         if bucket.spare is None:
             bucket.spare = torch.empty(param.numel(), dtype=param.dtype, device=param.device)
         if grad is None:
             bucket.spare.zero_()
         else:
-            torch.div(grad.reshape(-1), self._divisor, out=bucket.spare)
+            torch.div(grad.reshape(-1), self._scale, out=bucket.spare)
         bucket.buffer = bucket.spare
         bucket.divisor = 1
 
@@ -451,8 +461,58 @@ class Reducer:
                                  bucket.buffer, timeout=self.timeout, source=_TIMEOUT_SOURCE):
                 self._start(bucket)
 
+    @property
+    def _scale(self) -> int:
+        # torch's contract: a comm hook receives the local sum and averages itself
+        return 1 if self.comm_hook is not None else self._divisor
+
     def _start(self, bucket: Bucket) -> None:
+        position = self._position[id(bucket)]
+        buffer = bucket.buffer
+        size = buffer.numel() * buffer.element_size()
+        if self._first_start is None:
+            self._first_start = time.perf_counter()
+        self._step_bytes += size
+        hook = self.comm_hook
+        label = (f"mpidp.DDP bucket {position} {size / 2**20:.2f} MiB "
+                 f"{getattr(hook[1], '__name__', 'hook') if hook else 'allreduce'}")
+        with torch.profiler.record_function(label):
+            if hook is None:
+                self._step_collectives += max(1, -(-size // self.strategy.chunk_bytes))
+                self._launch(bucket)
+                return
+            self._step_collectives += 1
+            members = self.layout[position]
+            gradients = (bucket.views if not bucket.solo
+                         else [buffer.view(self.params[members[0]].shape)])
+            grad_bucket = GradBucket(position, buffer, gradients,
+                                     [self.params[i] for i in members],
+                                     position == len(self.buckets) - 1)
+            future = hook[1](hook[0], grad_bucket)
+            if not isinstance(future, torch._C.Future):
+                raise TypeError(f"a comm hook must return a torch.futures.Future, "
+                                f"{getattr(hook[1], '__name__', hook[1])!r} returned "
+                                f"{type(future).__name__}")
+            # One bucket's hook at a time: a hook that chains collectives in its
+            # future's callbacks (torch's PowerSGD does) would otherwise issue
+            # them from another thread interleaved with the next bucket's, in an
+            # order that differs between ranks.
+            future.wait()
+            self._futures.append((bucket, future))
+
+    def _launch(self, bucket: Bucket) -> None:
         self.strategy.start(bucket.buffer, bucket.divisor)
+
+    def _drain(self) -> None:
+        """Wait for every reduction of the step: the strategy's, and the hook's futures."""
+        self.strategy.finish()
+        futures, self._futures = self._futures, []
+        for bucket, future in futures:
+            value = future.wait()
+            if isinstance(value, (list, tuple)):  # as torch's reducer accepts
+                value = value[0]
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value.reshape(-1))
 
     # -- end of a step ----------------------------------------------------------------
 
@@ -467,6 +527,7 @@ class Reducer:
         """Launch what is left, wait for everything, then agree across ranks on the outcome."""
         step.state = _DONE
         n = len(self.params)
+        entered = time.perf_counter()
         try:
             if self.static_graph and self._expected is None and not (failed or joined):
                 # first static step: nothing was marked in the hooks
@@ -484,10 +545,14 @@ class Reducer:
                                  timeout=self.timeout, source=_TIMEOUT_SOURCE):
                 used = _comm.iallreduce(self._used, "sum", comm=self.control)
             try:
-                self.strategy.finish()
+                self._drain()
             finally:
                 counts = used.wait().tolist()
                 self._used.zero_()
+        done = time.perf_counter()
+        first, self._first_start = self._first_start, None
+        reduced, self._step_bytes = self._step_bytes, 0
+        collectives, self._step_collectives = self._step_collectives, 0
         failed_ranks, total, squares, joined_ranks = counts[n:]
         if failed_ranks or squares * self.world != total * total:
             for bucket in self.buckets:
@@ -496,6 +561,9 @@ class Reducer:
             self._arrival = [] if self._arrival is not None else None
             self._disagreement(failed, failed_ranks)
             return
+        self.stats.append(dict(step=self._steps, bytes=reduced, collectives=collectives + 1,
+                               reduction_s=done - (first if first is not None else entered),
+                               wait_s=done - entered, joined=bool(joined)))
         self._reduce_sparse(counts, joined)
         if not joined:
             self._copy_back(counts)
@@ -670,7 +738,7 @@ class ShardedReducer(Reducer):
         if arrived:
             self.params[index].grad = None  # its share is in the bucket now
 
-    def _start(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         target = self.sink.grad_target(self._position[id(bucket)])
         shards = bucket.shards
         pairs = [(bucket.buffer[start:stop], target[position:position + (stop - start) // self.world])

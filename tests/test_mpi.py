@@ -28,6 +28,7 @@ MPI_FILES = [
     ("tests/mpi/check_backend_torch.py", [2]),
     ("tests/mpi/check_backend_fsdp.py", [2, 4]),
     ("tests/mpi/check_zero.py", [2, 3, 4]),
+    ("tests/mpi/check_hooks.py", [2, 3]),
 ]
 
 

@@ -1,0 +1,634 @@
+"""Communication hooks (mpidp.hooks, DistributedDataParallel.register_comm_hook) and ddp.stats().
+
+Run on every rank under mpiexec. Each shipped hook is checked against its
+definition on the same buckets: ``allreduce_hook`` gives the bits of the DDP
+without a hook; ``compressed_allreduce`` and the fp16/bf16 hooks give
+round(float32 sum, in rank order, of round(x_r / N)) computed here from every
+rank's input; ``powerSGD_hook`` gives what torch's ``powerSGD_hook`` gives over
+a process group of the "mpidp" backend. Then torch's own default hooks on
+mpidp's DDP, the hooks with no_sync, unused parameters, sparse gradients and
+in-place buckets, the errors (raised on every rank, after which the ranks
+still communicate), the profiler's bucket events and ``ddp.stats()``.
+
+The models are float32 and small (a few buckets of ~0.5 KiB), so the file stays fast.
+"""
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import mpidp
+import _models
+from _models import BATCH, RANK, SIZE
+from mpidp import hooks
+
+pytestmark = pytest.mark.filterwarnings("ignore:mpidp. ranks .* share cores")
+
+DDP = mpidp.DistributedDataParallel
+F16, BF16 = torch.float16, torch.bfloat16
+SMALL = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0005)  # 3 buckets of net()
+STEPS = 3
+POOL = "the DDP's pool"  # a state placeholder: ddp.pool, known once the DDP is built
+
+
+@pytest.fixture(scope="module")
+def group():
+    """torch.distributed over the "mpidp" backend, for torch's hooks (once, for this file)."""
+    assert not dist.is_initialized()
+    mpidp.init_process_group()
+    assert dist.get_backend() == "mpidp"
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+# -- models, data, training -----------------------------------------------------------
+
+
+def net(seed_rank: int = RANK) -> nn.Module:
+    """A float32 MLP; each rank seeds its own, so the DDP's broadcast of rank 0's must win."""
+    torch.manual_seed(seed_rank)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 5))
+
+
+class Branches(_models.Branches):
+    """Branch ``a`` on even ranks, ``b`` on odd ones; ``never`` is unused everywhere."""
+
+    def forward(self, x):
+        return super().forward(x, bool(RANK % 2))
+
+
+class SparseNet(nn.Module):
+    """An embedding with sparse gradients feeding a dense layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8, sparse=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+
+def seeded(factory):
+    def build():
+        torch.manual_seed(RANK)
+        return factory()
+    return build
+
+
+def batch(step: int, tokens: bool = False):
+    """The global batch of ``step``, the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = (torch.randint(0, 20, (BATCH, 6), generator=gen) if tokens
+         else torch.randn(BATCH, 10, generator=gen))
+    return x, torch.randn(BATCH, 5, generator=gen)
+
+
+def shard(tensor):
+    return tensor.chunk(SIZE)[RANK]
+
+
+def loss_on(model, step: int, tokens: bool = False):
+    x, y = batch(step, tokens)
+    return F.mse_loss(model(shard(x)), shard(y))
+
+
+def plain_step(ddp, step, tokens=False):
+    loss_on(ddp, step, tokens).backward()
+
+
+def train(hook=None, state=None, steps=STEPS, factory=net, step_fn=plain_step, options=None,
+          tokens=False, check=None):
+    """SGD on this rank's shards under a DDP (``hook``: registered first).
+
+    Returns (the gradients after the first step, a snapshot of the parameters
+    after every step); ``check(ddp)`` runs before the DDP is closed.
+    """
+    ddp = DDP(factory(), **(SMALL if options is None else options))
+    if hook is not None:
+        ddp.register_comm_hook(ddp.pool if state is POOL else state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    first, history = None, []
+    for step in range(steps):
+        opt.zero_grad()
+        step_fn(ddp, step, tokens)
+        if first is None:
+            first = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
+        opt.step()
+        history.append([p.detach().clone() for p in ddp.parameters()])
+    if check is not None:
+        check(ddp)
+    ddp.close()
+    return first, history
+
+
+_REFERENCES = {}
+
+
+def reference(key, **kwargs):
+    """``train(**kwargs)`` without a hook, once per ``key`` (every rank asks at the same tests)."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train(**kwargs)
+    return _REFERENCES[key]
+
+
+def dense(tensor):
+    return tensor.to_dense() if tensor is not None and tensor.is_sparse else tensor
+
+
+def assert_bit_equal(got, expected):
+    assert len(got) == len(expected)
+    for k, (a, b) in enumerate(zip(got, expected)):
+        a, b = dense(a), dense(b)
+        assert (a is None) == (b is None), k
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), (k, (a - b).abs().max().item())
+
+
+def rel_diff(got, expected) -> float:
+    """Largest, over tensors, of max|got - expected| / max|expected|."""
+    worst = 0.0
+    for a, b in zip(got, expected):
+        a, b = dense(a).double(), dense(b).double()
+        worst = max(worst, (a - b).abs().max().item() / (b.abs().max().item() or 1.0))
+    return worst
+
+
+def report(name, value):
+    if RANK == 0:  # the same on every rank
+        print(f"HOOKS size={SIZE} {name} {value:.3e}", flush=True)
+
+
+def assert_alive():
+    """A collective on every rank: nobody was left behind by an error."""
+    probe = torch.full((2,), float(RANK + 1))
+    mpidp.comm.allreduce(probe, "sum")
+    assert probe.tolist() == [SIZE * (SIZE + 1) / 2] * 2
+
+
+def compressed_reference(inputs, dtype):
+    """The definition: round(sum in float32, in rank order, of round(x_r / N)), as float32."""
+    total = torch.zeros(inputs[0].shape, dtype=torch.float32)
+    for x in inputs:  # rank order
+        total += (x / SIZE).to(dtype).to(torch.float32)
+    return total.to(dtype).to(torch.float32)
+
+
+def spread(numel: int, salt: int) -> torch.Tensor:
+    """Random float32 values over several orders of magnitude, different on every rank."""
+    gen = torch.Generator().manual_seed(10_000 * salt + 100 * numel + RANK)
+    scale = 10.0 ** (torch.rand(numel, generator=gen) * 5 - 3)  # 1e-3 .. 1e2
+    return torch.randn(numel, generator=gen) * scale
+
+
+# -- 1. each mpidp hook against its definition -------------------------------------------
+
+
+@pytest.mark.parametrize("state", [None, POOL], ids=["state_None", "state_pool"])
+def test_allreduce_hook_gives_the_bits_of_the_ddp_without_a_hook(state):
+    expected_grads, expected = reference("mlp")
+    grads, history = train(hooks.allreduce_hook, state)
+    assert_bit_equal(grads, expected_grads)
+    for got, want in zip(history, expected):
+        assert_bit_equal(got, want)
+    assert rel_diff(expected[-1], expected[0]) > 1e-3  # the steps did move the parameters
+
+
+@pytest.mark.parametrize("form", ["tensor", "list"])
+def test_a_hook_whose_future_holds_a_new_tensor(form):
+    """The DDP copies the future's value into the bucket (torch accepts a list of one too)."""
+    def averaged_elsewhere(state, bucket):
+        average = bucket.buffer() / SIZE  # a new tensor; the bucket keeps the local sum
+        mpidp.comm.allreduce(average, "sum")
+        future = torch.futures.Future()
+        future.set_result(average if form == "tensor" else [average])
+        return future
+
+    expected_grads, expected = reference("mlp")
+    grads, history = train(averaged_elsewhere)
+    assert_bit_equal(grads, expected_grads)
+    assert_bit_equal(history[-1], expected[-1])
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("numel", [1, 7, 1001])
+def test_compressed_allreduce_equals_its_definition(dtype, numel):
+    x = spread(numel, salt=1)
+    everyone = mpidp.allgather_object(x)
+    buffer = x.clone()
+    out = hooks.compressed_allreduce(buffer, dtype)
+    assert out is buffer and out.dtype == torch.float32 and out.shape == (numel,)
+    expected = compressed_reference(everyone, dtype)
+    assert torch.equal(buffer, expected), (buffer - expected).abs().max().item()
+    # the same bits on every rank
+    assert all(torch.equal(other, buffer) for other in mpidp.allgather_object(buffer))
+
+
+@pytest.mark.skipif(SIZE < 3, reason="two summands commute: no order to check")
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_compressed_allreduce_sums_in_rank_order(dtype):
+    """Inputs whose float32 sum depends on the order: big, tiny and -big on three ranks.
+
+    tiny is 1.5 half-ulps of big in float32: big + tiny rounds up to the next
+    float32, -big + tiny is a tie, rounded to even; the order shows in the result, which
+    ``dtype`` holds exactly. One element per placement of the three on the
+    ranks (the others hold 0). Random inputs cannot tell orders apart: sums of
+    three values of 8 or 11 significant bits are exact in float32.
+    """
+    big = 1.0 if dtype == BF16 else 1024.0  # tiny stays a normal number of dtype
+    tiny = 1.5 * 2.0 ** -24 * big
+    placements = [(i, j, k) for i in range(SIZE) for j in range(SIZE) for k in range(SIZE)
+                  if len({i, j, k}) == 3]
+    x = torch.zeros(len(placements))
+    for e, (i, j, k) in enumerate(placements):
+        x[e] = {i: big, j: tiny, k: -big}.get(RANK, 0.0) * SIZE  # / SIZE is exact
+    everyone = mpidp.allgather_object(x)
+    out = hooks.compressed_allreduce(x.clone(), dtype)
+    expected = compressed_reference(everyone, dtype)
+    assert torch.equal(out, expected), (out, expected)
+    assert len(set(expected.tolist())) > 1  # the orders do give different sums here
+
+
+@pytest.mark.parametrize("comm", ["COMM_WORLD", "Pool"])
+def test_compressed_allreduce_over_a_given_communicator(comm):
+    base = MPI.COMM_WORLD.Dup()
+    given = base if comm == "COMM_WORLD" else mpidp.comm.Pool(base, 2)
+    try:
+        x = spread(33, salt=2)
+        everyone = mpidp.allgather_object(x)
+        out = hooks.compressed_allreduce(x.clone(), BF16, comm=given)
+        assert torch.equal(out, compressed_reference(everyone, BF16))
+    finally:
+        if isinstance(given, mpidp.comm.Pool):
+            given.free()
+        base.Free()
+
+
+def test_relative_error_of_one_compressed_reduction():
+    gen = torch.Generator().manual_seed(7 + RANK)
+    x = torch.randn(4096, generator=gen)
+    exact = torch.stack(mpidp.allgather_object(x)).double().sum(0) / SIZE
+    for dtype, unit in ((F16, 2.0 ** -11), (BF16, 2.0 ** -8)):
+        got = hooks.compressed_allreduce(x.clone(), dtype).double()
+        error = (got - exact).abs().max().item() / exact.abs().max().item()
+        norm = ((got - exact).norm() / exact.norm()).item()
+        name = "fp16" if dtype == F16 else "bf16"
+        report(f"{name} one compressed reduction: relative error (max-norm)", error)
+        report(f"{name} one compressed reduction: relative error (2-norm)", norm)
+        assert 0 < error < 8 * unit  # compressed, and by no more than a few roundings
+        assert 0 < norm < 4 * unit
+
+
+@pytest.mark.parametrize("hook,dtype", [(hooks.fp16_compress_hook, F16),
+                                        (hooks.bf16_compress_hook, BF16)], ids=["fp16", "bf16"])
+def test_compress_hooks_in_ddp_equal_their_definition_on_local_gradients(hook, dtype):
+    ddp = DDP(net(), **SMALL)
+    ddp.register_comm_hook(None, hook)
+    loss_on(ddp, 0).backward()
+    plain = net(0)  # rank 0's initial model, which the DDP broadcast
+    loss_on(plain, 0).backward()
+    local = [p.grad for p in plain.parameters()]
+    everyone = mpidp.allgather_object(local)
+    exact_differs = False
+    for param, grads in zip(ddp.parameters(), zip(*everyone)):
+        expected = compressed_reference(list(grads), dtype)
+        assert torch.equal(param.grad, expected), (param.grad - expected).abs().max().item()
+        exact = torch.stack(grads).sum(0) / SIZE
+        exact_differs |= not torch.equal(param.grad, exact)
+    assert exact_differs
+    ddp.close()
+
+
+def psgd_net() -> nn.Module:
+    """Matrices of shapes (16, 32), (32, 16), (16, 32) in a row: torch batches Ps and Qs by shape."""
+    torch.manual_seed(RANK)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, 5))
+
+
+PSGD_CASES = [(1, True, True), (4, True, True), (1, False, False), (4, False, False),
+              (4, True, False)]
+LAYOUTS = {"small": SMALL, "one_bucket": dict(bucket_cap_mb=1)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("rank,feedback,warm", PSGD_CASES,
+                         ids=[f"r{r}-{'ef' if f else 'noef'}-{'warm' if w else 'cold'}"
+                              for r, f, w in PSGD_CASES])
+def test_powersgd_hook_equals_torchs_over_the_mpidp_group(group, rank, feedback, warm, layout):
+    options = dict(matrix_approximation_rank=rank, start_powerSGD_iter=3,
+                   use_error_feedback=feedback, warm_start=warm)
+    mine = hooks.PowerSGDState(None, **options)
+    theirs = torch_powersgd.PowerSGDState(group, **options)
+    run = dict(steps=6, factory=psgd_net, options=LAYOUTS[layout])
+    _, got = train(hooks.powerSGD_hook, mine, **run)
+    _, expected = train(torch_powersgd.powerSGD_hook, theirs, **run)
+    diff = rel_diff(got[-1], expected[-1])
+    report(f"powerSGD rank {rank} feedback {feedback} warm {warm} {layout} vs torch's: "
+           f"rel diff", diff)
+    # The same operations on the same buckets, one product summed in another order
+    # (mpidp forms Q = M^T P as (P^T M)^T): equal within float32 summation noise.
+    assert diff < 1e-5
+    assert mine.iter == theirs.iter == 6
+    assert mine.compression_stats() == theirs.compression_stats()
+    assert mine.compression_stats()[0] > 1
+    # exact for the first start_powerSGD_iter steps, then not
+    _, exact = reference(f"psgd-{layout}", **run)
+    for step in range(3):
+        assert_bit_equal(got[step], exact[step])
+    assert rel_diff(got[-1], exact[-1]) > 1e-5
+
+
+# -- 2. torch's default hooks on mpidp's DDP -------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["allreduce", "fp16", "bf16"])
+def test_torchs_default_hooks_on_mpidp_ddp(group, name):
+    theirs = {"allreduce": default_hooks.allreduce_hook,
+              "fp16": default_hooks.fp16_compress_hook,
+              "bf16": default_hooks.bf16_compress_hook}[name]
+    grads, got = train(theirs, group)
+    if name == "allreduce":
+        expected_grads, expected = reference("mlp")
+        assert_bit_equal(grads, expected_grads)
+        assert_bit_equal(got[-1], expected[-1])
+        return
+    mine = hooks.fp16_compress_hook if name == "fp16" else hooks.bf16_compress_hook
+    _, expected = train(mine)
+    diff = rel_diff(got[-1], expected[-1])
+    report(f"torch's {name} hook vs mpidp's after {STEPS} steps: rel diff", diff)
+    if SIZE == 2 and name == "bf16":  # x / 2 is exact and one rounding of a + b either way
+        assert_bit_equal(got[-1], expected[-1])
+    elif SIZE == 2:  # the same, but for fp16's subnormals: torch rounds x before halving it
+        assert diff < 1e-6
+    else:
+        assert diff < (2e-3 if name == "fp16" else 1e-2)
+    _, exact = reference("mlp")
+    assert rel_diff(got[-1], exact[-1]) > 0  # compressed indeed
+
+
+# -- 3. hooks with no_sync, unused parameters, sparse gradients, in-place buckets ----------
+
+
+def test_no_sync_calls_the_hook_once_per_bucket_of_each_synced_step():
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return hooks.allreduce_hook(state, bucket)
+
+    def accumulate(ddp, step, tokens):
+        calls.clear()
+        with ddp.no_sync():
+            loss_on(ddp, 100 + step).backward()
+        if ddp.reducer.comm_hook is not None:
+            assert calls == []
+        loss_on(ddp, step).backward()
+        if ddp.reducer.comm_hook is not None:
+            assert calls == list(range(len(ddp.reducer.buckets)))
+
+    grads, got = train(counting, None, step_fn=accumulate)
+    assert calls  # the checks above ran
+    expected_grads, expected = reference("mlp-no-sync", step_fn=accumulate)
+    assert_bit_equal(grads, expected_grads)
+    assert_bit_equal(got[-1], expected[-1])
+
+
+def test_unused_parameters_with_a_hook():
+    options = dict(SMALL, find_unused_parameters=True)
+
+    def check(ddp):
+        assert ddp.module.never.weight.grad is None and ddp.module.never.bias.grad is None
+
+    grads, got = train(hooks.allreduce_hook, None, factory=seeded(Branches), options=options,
+                       check=check)
+    expected_grads, expected = reference("branches", factory=seeded(Branches), options=options)
+    assert_bit_equal(grads, expected_grads)
+    assert_bit_equal(got[-1], expected[-1])
+    assert grads[2] is not None  # a.weight: used on even ranks only, reduced everywhere
+
+
+def test_sparse_gradients_bypass_the_hook():
+    seen = []
+
+    def recording(state, bucket):
+        seen.extend(id(p) for p in bucket.parameters())
+        return hooks.allreduce_hook(state, bucket)
+
+    embed_id = []
+
+    def check(ddp):
+        embed_id.append(id(ddp.module.embed.weight))
+        dense_ids = {id(p) for p in ddp.module.head.parameters()}
+        assert dense_ids <= set(seen)
+
+    grads, got = train(recording, None, factory=seeded(SparseNet), tokens=True, check=check)
+    assert embed_id[0] not in seen
+    assert grads[0].is_sparse
+    expected_grads, expected = reference("sparse", factory=seeded(SparseNet), tokens=True)
+    assert_bit_equal(grads, expected_grads)
+    assert_bit_equal(got[-1], expected[-1])
+
+
+def test_in_place_buckets_with_a_hook():
+    options = dict(SMALL, inplace_threshold_mb=0.001)  # the 32x10 and 32x32 weights
+    views = []
+
+    def checking(state, bucket):
+        # gradients(): views of buffer(), shaped as the parameters, in their order
+        buffer, at = bucket.buffer(), 0
+        for grad, param in zip(bucket.gradients(), bucket.parameters(), strict=True):
+            assert grad.shape == param.shape
+            assert grad.data_ptr() == buffer[at:].data_ptr()
+            at += grad.numel()
+        assert at == buffer.numel()
+        views.append(len(bucket.parameters()))
+        return hooks.allreduce_hook(state, bucket)
+
+    def check(ddp):
+        assert sum(bucket.solo for bucket in ddp.reducer.buckets) == 2
+
+    grads, got = train(checking, None, options=options, check=check)
+    assert views.count(1) >= 2 * STEPS  # the two in-place buckets, at every step
+    expected_grads, expected = reference("mlp-solo", options=options)
+    assert_bit_equal(grads, expected_grads)
+    assert_bit_equal(got[-1], expected[-1])
+
+
+# -- 4. errors: raised on every rank, and the ranks still communicate ----------------------
+
+
+def test_registering_twice_raises_everywhere():
+    with DDP(net(), **SMALL) as ddp:
+        ddp.register_comm_hook(None, hooks.allreduce_hook)
+        with pytest.raises(RuntimeError, match="only be called once"):
+            ddp.register_comm_hook(None, hooks.allreduce_hook)
+        loss_on(ddp, 0).backward()  # the first one stays
+        assert ddp.reducer.comm_hook[1] is hooks.allreduce_hook
+    assert_alive()
+
+
+def test_registering_after_the_first_backward_raises_everywhere():
+    with DDP(net(), **SMALL) as ddp:
+        loss_on(ddp, 0).backward()
+        with pytest.raises(RuntimeError, match="before the first backward"):
+            ddp.register_comm_hook(None, hooks.allreduce_hook)
+        assert ddp.reducer.comm_hook is None
+        loss_on(ddp, 1).backward()
+    assert_alive()
+
+
+def test_a_different_hook_on_rank_1_raises_everywhere():
+    hook = hooks.fp16_compress_hook if RANK == 1 else hooks.allreduce_hook
+    with DDP(net(), **SMALL) as ddp:
+        with pytest.raises(ValueError, match="different hooks"):
+            ddp.register_comm_hook(None, hook)
+        assert ddp.reducer.comm_hook is None
+        loss_on(ddp, 0).backward()
+    assert_alive()
+
+
+def test_a_hook_that_is_not_callable():
+    with DDP(net(), **SMALL) as ddp:
+        with pytest.raises(TypeError, match="callable"):
+            ddp.register_comm_hook(None, "allreduce")
+    assert_alive()
+
+
+def test_join_refuses_a_hook():
+    with DDP(net(), **SMALL) as ddp:
+        ddp.register_comm_hook(None, hooks.allreduce_hook)
+        with pytest.raises(RuntimeError, match="comm hook"):
+            with ddp.join():
+                pass
+    assert_alive()
+
+
+def test_a_hook_returning_no_future_raises_from_backward_everywhere():
+    def no_future(state, bucket):
+        return hooks.allreduce_hook(state, bucket).wait()  # the tensor itself
+
+    ddp = DDP(net(), **SMALL)
+    ddp.register_comm_hook(None, no_future)
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        loss_on(ddp, 0).backward()
+    # close() finishes the abandoned step, which calls the hook for the
+    # buckets left, and it raises the same again (on every rank alike)
+    with contextlib.suppress(TypeError):
+        ddp.close()
+    assert ddp.pool is None
+    assert_alive()
+
+
+def test_powersgd_state_arguments():
+    with pytest.raises(ValueError, match="start_powerSGD_iter"):
+        hooks.PowerSGDState(start_powerSGD_iter=1)
+    with pytest.raises(ValueError, match="matrix_approximation_rank"):
+        hooks.PowerSGDState(matrix_approximation_rank=0)
+    hooks.PowerSGDState(start_powerSGD_iter=1, use_error_feedback=False, warm_start=False)
+    with pytest.raises(TypeError, match="state must be None"):
+        hooks.PowerSGDState(comm="world")
+
+
+def test_a_hook_and_a_stage_2_zero_optimizer_exclude_each_other():
+    with DDP(net(), **SMALL) as ddp:
+        mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+        with pytest.raises(RuntimeError, match="stage-2"):
+            ddp.register_comm_hook(None, hooks.allreduce_hook)
+    with DDP(net(), **SMALL) as ddp:
+        ddp.register_comm_hook(None, hooks.allreduce_hook)
+        with pytest.raises(ValueError, match="comm hook"):
+            mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+    assert_alive()
+
+
+# -- 5. the profiler -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", [None, hooks.allreduce_hook, hooks.fp16_compress_hook],
+                         ids=["no_hook", "allreduce_hook", "fp16_compress_hook"])
+def test_profiler_records_every_bucket(hook):
+    with DDP(net(), **SMALL) as ddp:
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        loss_on(ddp, 0).backward()  # the buckets are rebuilt in arrival order after it
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss_on(ddp, 1).backward()
+        buckets = ddp.reducer.buckets
+        assert len(buckets) >= 3
+        names = sorted(event.name for event in prof.events()
+                       if event.name.startswith("mpidp.DDP bucket "))
+        suffix = "allreduce" if hook is None else hook.__name__
+        expected = sorted(f"mpidp.DDP bucket {k} "
+                          f"{bucket.buffer.numel() * bucket.buffer.element_size() / 2**20:.2f} "
+                          f"MiB {suffix}" for k, bucket in enumerate(buckets))
+        assert names == expected
+
+
+# -- 6. ddp.stats() ------------------------------------------------------------------
+
+
+def bucket_bytes(ddp) -> list[int]:
+    """numel * element_size of each of ``ddp.reducer.buckets`` (in-place ones hold no buffer)."""
+    reducer = ddp.reducer
+    assert len(reducer.buckets) == len(reducer.layout)
+    return [sum(shape.numel() for shape in bucket.shapes) * reducer.params[members[0]].element_size()
+            for bucket, members in zip(reducer.buckets, reducer.layout)]
+
+
+@pytest.mark.parametrize("hook", [None, hooks.allreduce_hook], ids=["no_hook", "allreduce_hook"])
+def test_stats_of_the_synced_steps(hook):
+    options = dict(SMALL, chunk_mb=0.0002, inplace_threshold_mb=0.001)  # chunks, a solo bucket
+    with DDP(net(), **options) as ddp:
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        assert ddp.stats() == []
+        for step in range(4):
+            with ddp.no_sync():
+                loss_on(ddp, 100 + step).backward()
+            loss_on(ddp, step).backward()
+        stats = ddp.stats()
+        assert len(stats) == 4
+        assert [entry["step"] for entry in stats] == [1, 2, 3, 4]
+        sizes = bucket_bytes(ddp)
+        chunk = ddp.reducer.strategy.chunk_bytes
+        assert any(size > chunk for size in sizes)
+        for entry in stats:
+            assert set(entry) == {"step", "bytes", "collectives", "reduction_s", "wait_s",
+                                  "joined"}
+            assert entry["bytes"] == sum(sizes)
+            assert entry["collectives"] >= len(sizes) + 1
+            if hook is None:  # chunks counted
+                assert entry["collectives"] == sum(math.ceil(s / chunk) for s in sizes) + 1
+            else:  # one per hook call
+                assert entry["collectives"] == len(sizes) + 1
+            assert entry["reduction_s"] >= 0 and entry["wait_s"] >= 0
+            assert entry["joined"] is False
+        assert sum(p.numel() * p.element_size() for p in ddp.parameters()) == sum(sizes)
+        counted = mpidp.allgather_object([(e["bytes"], e["collectives"]) for e in stats])
+        assert all(other == counted[0] for other in counted)
+        stats[0]["bytes"] = -1  # a copy
+        assert ddp.stats()[0]["bytes"] == sum(sizes)
+
+
+def test_stats_keep_the_last_100_steps():
+    torch.manual_seed(0)
+    with DDP(nn.Linear(3, 2)) as ddp:
+        x = torch.ones(2, 3)
+        for _ in range(103):
+            ddp(x).sum().backward()
+        stats = ddp.stats()
+    assert len(stats) == 100
+    assert [entry["step"] for entry in stats] == list(range(4, 104))
+    assert all(entry["bytes"] == 8 * 4 for entry in stats)
