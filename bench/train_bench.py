@@ -16,7 +16,8 @@ alike. A step's time is the slowest rank's. Modes:
   changes settings: ``bucket`` and ``chunk`` (MiB), ``pool``, ``view`` (0/1),
   ``predict`` (0/1), ``poll`` (0/1: the hooks' progress polling), ``overlap``
   (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off),
-  ``buffers`` (0/1: broadcast_buffers).
+  ``buffers`` (0/1: broadcast_buffers), ``stats`` (0/1: ``record_stats``, the
+  step statistics and profiler ranges).
 - ``mpidp+HOOK``, ``ddp-gloo+HOOK``: with a comm hook, HOOK one of fp16, bf16,
   powersgd (rank 4, compressing from the third step): mpidp's own hooks on
   mpidp, torch's on torch's DDP.
@@ -148,6 +149,7 @@ class Runner:
         wrapped = mpidp.DistributedDataParallel(model, **options)
         if "hook" in self.settings:
             wrapped.register_comm_hook(*comm_hook("mpidp", self.settings["hook"], None))
+        wrapped.record_stats = bool(self.settings.get("stats", 1))
         if not self.settings.get("poll", 1):
             wrapped.reducer.strategy.poll = lambda: None
         finish = wrapped.reducer._finish

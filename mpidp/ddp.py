@@ -392,6 +392,7 @@ class DistributedDataParallel(nn.Module):
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],
                        static_graph=options["static_graph"], timeout=self._timeout)
         reducer.comm_hook = getattr(self, "_comm_hook", None)
+        reducer.record = getattr(self, "_record_stats", True)
         return reducer
 
     # -- communication hooks and statistics -------------------------------------------
@@ -435,6 +436,18 @@ class DistributedDataParallel(nn.Module):
         self._comm_hook = (state, hook)
         self.reducer.comm_hook = self._comm_hook
 
+    @property
+    def record_stats(self) -> bool:
+        """Whether ``stats()`` records and each bucket gets a profiler range (default True)."""
+        return getattr(self, "_record_stats", True)
+
+    @record_stats.setter
+    def record_stats(self, value: bool) -> None:
+        _check_flag("record_stats", value)
+        self._record_stats = value
+        if self.reducer is not None:
+            self.reducer.record = value
+
     def stats(self) -> list[dict]:
         """What the last synced steps (up to 100) communicated, oldest first.
 
@@ -443,7 +456,8 @@ class DistributedDataParallel(nn.Module):
         plus the bookkeeping allreduce), ``reduction_s`` (from the first bucket
         handed to communication to the last reduction done) and ``wait_s``
         (how long the end of the backward pass waited for communication).
-        Recorded always: a few clock reads per bucket.
+        Recorded unless ``record_stats`` is False: a few clock reads and a
+        profiler range per bucket (bench/hooks_bench.py measures the cost).
         """
         return [] if self.reducer is None else [dict(entry) for entry in self.reducer.stats]
 

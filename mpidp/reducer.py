@@ -168,6 +168,7 @@ class Reducer:
         self._futures: list = []  # (bucket, the hook's future) of the running step
         # Per synced step, the last STATS_KEPT: see DistributedDataParallel.stats().
         self.stats: collections.deque = collections.deque(maxlen=STATS_KEPT)
+        self.record = True  # the statistics and the profiler ranges (DDP.record_stats)
         self._first_start: float | None = None
         self._step_bytes = self._step_collectives = 0
         self.find_unused = find_unused_parameters
@@ -467,38 +468,48 @@ class Reducer:
         return 1 if self.comm_hook is not None else self._divisor
 
     def _start(self, bucket: Bucket) -> None:
-        position = self._position[id(bucket)]
+        if not self.record:
+            self._reduce(bucket)
+            return
         buffer = bucket.buffer
         size = buffer.numel() * buffer.element_size()
         if self._first_start is None:
             self._first_start = time.perf_counter()
         self._step_bytes += size
+        if not torch._C._autograd._profiler_enabled():  # a range costs ~10 us even unobserved
+            self._step_collectives += self._reduce(bucket)
+            return
         hook = self.comm_hook
-        label = (f"mpidp.DDP bucket {position} {size / 2**20:.2f} MiB "
+        label = (f"mpidp.DDP bucket {self._position[id(bucket)]} {size / 2**20:.2f} MiB "
                  f"{getattr(hook[1], '__name__', 'hook') if hook else 'allreduce'}")
         with torch.profiler.record_function(label):
-            if hook is None:
-                self._step_collectives += max(1, -(-size // self.strategy.chunk_bytes))
-                self._launch(bucket)
-                return
-            self._step_collectives += 1
-            members = self.layout[position]
-            gradients = (bucket.views if not bucket.solo
-                         else [buffer.view(self.params[members[0]].shape)])
-            grad_bucket = GradBucket(position, buffer, gradients,
-                                     [self.params[i] for i in members],
-                                     position == len(self.buckets) - 1)
-            future = hook[1](hook[0], grad_bucket)
-            if not isinstance(future, torch._C.Future):
-                raise TypeError(f"a comm hook must return a torch.futures.Future, "
-                                f"{getattr(hook[1], '__name__', hook[1])!r} returned "
-                                f"{type(future).__name__}")
-            # One bucket's hook at a time: a hook that chains collectives in its
-            # future's callbacks (torch's PowerSGD does) would otherwise issue
-            # them from another thread interleaved with the next bucket's, in an
-            # order that differs between ranks.
-            future.wait()
-            self._futures.append((bucket, future))
+            self._step_collectives += self._reduce(bucket)
+
+    def _reduce(self, bucket: Bucket) -> int:
+        """Hand a bucket to the strategy, or to the hook; returns the collectives (chunks or 1)."""
+        hook = self.comm_hook
+        buffer = bucket.buffer
+        if hook is None:
+            self._launch(bucket)
+            return max(1, -(-(buffer.numel() * buffer.element_size()) // self.strategy.chunk_bytes))
+        position = self._position[id(bucket)]
+        members = self.layout[position]
+        gradients = (bucket.views if not bucket.solo
+                     else [buffer.view(self.params[members[0]].shape)])
+        grad_bucket = GradBucket(position, buffer, gradients, [self.params[i] for i in members],
+                                 position == len(self.buckets) - 1)
+        future = hook[1](hook[0], grad_bucket)
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(f"a comm hook must return a torch.futures.Future, "
+                            f"{getattr(hook[1], '__name__', hook[1])!r} returned "
+                            f"{type(future).__name__}")
+        # One bucket's hook at a time: a hook that chains collectives in its
+        # future's callbacks (torch's PowerSGD does) would otherwise issue
+        # them from another thread interleaved with the next bucket's, in an
+        # order that differs between ranks.
+        future.wait()
+        self._futures.append((bucket, future))
+        return 1
 
     def _launch(self, bucket: Bucket) -> None:
         self.strategy.start(bucket.buffer, bucket.divisor)
@@ -561,9 +572,10 @@ class Reducer:
             self._arrival = [] if self._arrival is not None else None
             self._disagreement(failed, failed_ranks)
             return
-        self.stats.append(dict(step=self._steps, bytes=reduced, collectives=collectives + 1,
-                               reduction_s=done - (first if first is not None else entered),
-                               wait_s=done - entered, joined=bool(joined)))
+        if self.record:
+            self.stats.append(dict(step=self._steps, bytes=reduced, collectives=collectives + 1,
+                                   reduction_s=done - (first if first is not None else entered),
+                                   wait_s=done - entered, joined=bool(joined)))
         self._reduce_sparse(counts, joined)
         if not joined:
             self._copy_back(counts)

@@ -632,3 +632,22 @@ def test_stats_keep_the_last_100_steps():
     assert len(stats) == 100
     assert [entry["step"] for entry in stats] == list(range(4, 104))
     assert all(entry["bytes"] == 8 * 4 for entry in stats)
+
+
+@pytest.mark.parametrize("hook", [None, hooks.allreduce_hook], ids=["no_hook", "allreduce_hook"])
+def test_record_stats_off_records_nothing_and_changes_nothing(hook):
+    expected_grads, _ = reference("mlp")
+    with DDP(net(), **SMALL) as ddp:
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        ddp.record_stats = False
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss_on(ddp, 0).backward()
+        assert ddp.stats() == []
+        assert not [e for e in prof.events() if e.name.startswith("mpidp.DDP bucket ")]
+        assert_bit_equal([p.grad for p in ddp.parameters()], expected_grads)
+        ddp.record_stats = True
+        loss_on(ddp, 1).backward()
+        assert len(ddp.stats()) == 1
+        with pytest.raises(TypeError, match="record_stats must be a bool"):
+            ddp.record_stats = 0
