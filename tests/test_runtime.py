@@ -78,8 +78,8 @@ def test_a_caught_exit_does_not_end_the_job():
 
 def test_the_abort_message_reaches_the_user_on_every_run():
     """The one-line summary comes first and arrives on every run (it was lost in 1 of 30)."""
-    runs, deadline = 0, time.monotonic() + 45
-    while runs < 8 and (runs < 3 or time.monotonic() < deadline):
+    runs, deadline = 0, time.monotonic() + 25  # (a CI-time budget: 3 to 5 runs)
+    while runs < 5 and (runs < 3 or time.monotonic() < deadline):
         result = launch.run(2, ["tests/mpi/raise_on_one_rank.py"], timeout=60, check=False)
         runs += 1
         assert result.returncode != 0
