@@ -7,6 +7,7 @@ CUDA tensors. Kernels run on torch's current stream of the tensors' device.
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,39 +77,71 @@ def _chunk_table(sizes: tuple[int, ...], device: torch.device):
             as_device(start, dtype=torch.int64), as_device(count, dtype=torch.int32), len(count))
 
 
-def _pointer(tensor: torch.Tensor):
+@functools.lru_cache(maxsize=1024)
+def _address_table(addresses: tuple[int, ...], device: torch.device):
+    """The tensors' addresses on ``device``, and the event that marks them copied.
+
+    Kept for the next call with the same addresses: DDP packs the same
+    gradients step after step. A miss queues the copy from pinned memory on the
+    current stream, without a host stall; a stream that uses the table waits
+    for the event (on the GPU), so another stream's later hit is safe too.
+    """
+    pinned = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+    table = pinned.to(device, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(device))
+    return table, copied
+
+
+@functools.lru_cache(maxsize=256)
+def _function(kind: str, src: torch.dtype, dst: torch.dtype, device_index: int):
+    """The compiled kernel, loaded on the current device (``device_index``: the cache key)."""
+    return _module().get_function(kernel_name(kind, src, dst))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int, device_index: int):
+    """CuPy's view of one of torch's streams (made once: building one costs ~10 us)."""
     import cupy
-    return cupy.asarray(tensor.view(torch.uint8) if tensor.dtype == torch.bool
-                        else tensor.view(_RAW[tensor.element_size()]))
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device_index)
 
 
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _address(tensor: torch.Tensor):
+    import numpy
+    return numpy.uint64(tensor.data_ptr())  # a pointer argument, passed by value
 
 
-def _launch(kind: str, tensors, flat: torch.Tensor, scale, to_flat: bool) -> None:
+def _launch(kind: str, sizes: tuple[int, ...], addresses: tuple[int, ...], dtype: torch.dtype,
+            flat: torch.Tensor, scale, to_flat: bool) -> None:
     import cupy
-    sizes = tuple(t.numel() for t in tensors)
+    import numpy
     offsets, tensor_of, start, count, chunks = _chunk_table(sizes, flat.device)
     if chunks == 0:
         return
-    # Pinned and non_blocking: the copy queues on the stream instead of stalling the host.
-    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).pin_memory()
-    addresses = addresses.to(flat.device, non_blocking=True)
-    src, dst = (tensors[0].dtype, flat.dtype) if to_flat else (flat.dtype, tensors[0].dtype)
-    kernel = _module().get_function(kernel_name(kind, src, dst))
+    table, copied = _address_table(addresses, flat.device)
+    src, dst = (dtype, flat.dtype) if to_flat else (flat.dtype, dtype)
     scaled = scale is not None
-    scalars = (cupy.float64(scale if scaled else 1.0), cupy.int32(int(scaled)))
-    tables = tuple(_pointer(t) for t in (addresses, offsets, tensor_of, start, count))
-    args = ((*tables, _pointer(flat), *scalars) if to_flat
-            else (_pointer(flat), *tables, *scalars))
-    with cupy.cuda.Device(flat.device.index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(flat.device).cuda_stream)
-        kernel((chunks,), (THREADS,), args, stream=stream)
+    scalars = (numpy.float64(scale if scaled else 1.0), numpy.int32(int(scaled)))
+    stream = torch.cuda.current_stream(flat.device)
+    stream.wait_event(copied)
+    for cached in (table, offsets, tensor_of, start, count):  # kept until this stream is
+        cached.record_stream(stream)                           # past the kernel
+    tables = tuple(_address(t) for t in (table, offsets, tensor_of, start, count))
+    args = ((*tables, _address(flat), *scalars) if to_flat
+            else (_address(flat), *tables, *scalars))
+    index = flat.device.index
+    with cupy.cuda.Device(index):
+        _function(kind, src, dst, index)((chunks,), (THREADS,), args,
+                                         stream=_stream(stream.cuda_stream, index))
 
 
-def pack(tensors, out: torch.Tensor, scale) -> None:
-    _launch("pack", tensors, out, scale, to_flat=True)
+def pack(sizes, addresses, dtype, out: torch.Tensor, scale) -> None:
+    """Tensors of ``sizes`` elements at ``addresses``, of ``dtype``, into ``out``."""
+    _launch("pack", sizes, addresses, dtype, out, scale, to_flat=True)
 
 
-def unpack(flat: torch.Tensor, tensors, scale) -> None:
-    _launch("unpack", tensors, flat, scale, to_flat=False)
+def unpack(flat: torch.Tensor, sizes, addresses, dtype, scale) -> None:
+    """``flat`` into tensors of ``sizes`` elements at ``addresses``, of ``dtype``."""
+    _launch("unpack", sizes, addresses, dtype, flat, scale, to_flat=False)

@@ -3,7 +3,8 @@
 //
 // Work is cut into chunks of at most MPIDP_CHUNK elements that never cross a tensor
 // boundary; block b handles chunk b. The host builds the chunk table once per bucket
-// layout (sizes do not change between steps) and passes the tensors' addresses each call.
+// layout (sizes do not change between steps) and the table of the tensors' addresses once
+// per set of addresses (see kernels/_cuda.py).
 // Every size and offset is 64-bit: a bucket may hold more than 2^31 elements.
 //
 // One source serves every dtype: the kernels are templates, instantiated by name through
@@ -51,6 +52,59 @@ __device__ __forceinline__ Dst mpidp_convert(Src v, double scale, int scaled) {
     return mpidp_store_acc<Dst>(x);
 }
 
+// Copy n elements, UNROLL loads in flight per thread before their stores (a loop that
+// loads and stores one element at a time keeps too few bytes in flight to stream).
+#define MPIDP_UNROLL 4
+
+template <typename In, typename Out, typename Convert>
+__device__ __forceinline__ void mpidp_stream(const In* __restrict__ from, Out* __restrict__ to,
+                                             int n, Convert convert) {
+    for (int base = threadIdx.x; base < n; base += MPIDP_UNROLL * blockDim.x) {
+        In v[MPIDP_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MPIDP_UNROLL; ++k) {
+            const int i = base + k * blockDim.x;
+            if (i < n) v[k] = from[i];
+        }
+#pragma unroll
+        for (int k = 0; k < MPIDP_UNROLL; ++k) {
+            const int i = base + k * blockDim.x;
+            if (i < n) to[i] = convert(v[k]);
+        }
+    }
+}
+
+struct mpidp_bits {
+    template <typename T> __device__ __forceinline__ T operator()(T v) const { return v; }
+};
+
+template <typename Src, typename Dst> struct mpidp_converter {
+    double scale;
+    int scaled;
+    __device__ __forceinline__ Dst operator()(Src v) const { return mpidp_convert<Src, Dst>(v, scale, scaled); }
+};
+
+// A copy of one type, unscaled, whose two ends are 16-byte aligned moves 16 bytes per load.
+template <typename Src, typename Dst>
+__device__ __forceinline__ void mpidp_copy(const Src* __restrict__ src, Dst* __restrict__ dst,
+                                           int count, double scale, int scaled) {
+    if constexpr (mpidp_same_type<Src, Dst>::value) {
+        const unsigned long long ends = reinterpret_cast<unsigned long long>(src)
+                                      | reinterpret_cast<unsigned long long>(dst);
+        if (!scaled && (ends & 15) == 0) {
+            const int bytes = count * static_cast<int>(sizeof(Src));
+            const int vectors = bytes >> 4;
+            mpidp_stream(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), vectors,
+                         mpidp_bits());
+            const unsigned char* __restrict__ tail_from = reinterpret_cast<const unsigned char*>(src);
+            unsigned char* __restrict__ tail_to = reinterpret_cast<unsigned char*>(dst);
+            for (int i = (vectors << 4) + threadIdx.x; i < bytes; i += blockDim.x) tail_to[i] = tail_from[i];
+            return;
+        }
+    }
+    mpidp_stream(src, dst, count, mpidp_converter<Src, Dst>{scale, scaled});
+}
+
 // Chunk table: for chunk c, the tensor it lies in, its first element within that tensor
 // and its length. offsets[t] is tensor t's first element in the flat buffer.
 template <typename Src, typename Dst>
@@ -62,13 +116,9 @@ __global__ void mpidp_pack(const unsigned long long* __restrict__ tensors,
                            Dst* __restrict__ flat, double scale, int scaled) {
     const i64 c = blockIdx.x;
     const int t = chunk_tensor[c];
-    const Src* __restrict__ src = reinterpret_cast<const Src*>(tensors[t]);
     const i64 begin = chunk_start[c];
-    Dst* __restrict__ dst = flat + offsets[t] + begin;
-    const int count = chunk_count[c];
-    for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        dst[i] = mpidp_convert<Src, Dst>(src[begin + i], scale, scaled);
-    }
+    mpidp_copy<Src, Dst>(reinterpret_cast<const Src*>(tensors[t]) + begin, flat + offsets[t] + begin,
+                         chunk_count[c], scale, scaled);
 }
 
 template <typename Src, typename Dst>
@@ -81,13 +131,9 @@ __global__ void mpidp_unpack(const Src* __restrict__ flat,
                              double scale, int scaled) {
     const i64 c = blockIdx.x;
     const int t = chunk_tensor[c];
-    Dst* __restrict__ dst = reinterpret_cast<Dst*>(tensors[t]);
     const i64 begin = chunk_start[c];
-    const Src* __restrict__ src = flat + offsets[t] + begin;
-    const int count = chunk_count[c];
-    for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        dst[begin + i] = mpidp_convert<Src, Dst>(src[i], scale, scaled);
-    }
+    mpidp_copy<Src, Dst>(flat + offsets[t] + begin, reinterpret_cast<Dst*>(tensors[t]) + begin,
+                         chunk_count[c], scale, scaled);
 }
 
 // Explicit instantiation, for compiling this file on its own (the nvcc check).

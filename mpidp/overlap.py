@@ -34,6 +34,7 @@ import torch
 from mpi4py import MPI
 
 from . import comm as _comm
+from . import cuda as _cuda
 from . import runtime
 from . import watchdog as _watchdog
 
@@ -139,8 +140,33 @@ class Threaded(_Strategy):
         stream = self._streams[buffer.device]
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            # each collective syncs `stream` first
-            self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
+            if pairs is None and not _cuda.cuda_aware():
+                self._staged(buffer, divisor, stream)
+            else:  # each collective syncs `stream` first
+                self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
+
+    def _staged(self, buffer: torch.Tensor, divisor: int, stream) -> None:
+        """Allreduce a device bucket through pinned host memory, its chunks in a pipeline.
+
+        Every chunk's copy to the host is queued at once; MPI reduces chunk k
+        as soon as its copy is done, while later chunks are still crossing and
+        earlier results are copied back (all on the side stream, in order).
+        torch's pinned-memory cache hands the host block out again only once
+        the copies queued from it are done.
+        """
+        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+        chunk = max(1, self.chunk_bytes // buffer.element_size())
+        pieces = list(self._pieces(buffer, divisor))
+        mirrors = host.split(chunk) if len(pieces) > 1 else (host,)
+        arrived = []
+        for piece, mirror in zip(pieces, mirrors):
+            mirror.copy_(piece, non_blocking=True)
+            arrived.append(torch.cuda.Event())
+            arrived[-1].record(stream)
+        for piece, mirror, event in zip(pieces, mirrors, arrived):
+            event.synchronize()
+            _comm.allreduce(mirror, "sum", comm=self.pool)
+            piece.copy_(mirror, non_blocking=True)
 
     def start(self, buffer: torch.Tensor, divisor: int = 1, pairs=None) -> None:
         ready = None

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpidp import kernels
 from mpidp.kernels import _cuda, fused, pack, unpack
 
 KERNELS = Path(_cuda.__file__).parent
@@ -90,6 +91,25 @@ def test_one_huge_tensor_among_small_ones(device):
     flat = poisoned(sum(t.numel() for t in tensors), torch.float32, device)
     pack(tensors, flat)
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.int64, torch.bool],
+                         ids=str)
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_the_kernel_copies_plain_buckets_bit_for_bit(dtype, mix, monkeypatch):
+    """Plain copies: the kernel's 16-byte path (aligned tensors) and its element path (the
+    odd mix's misaligned ones) give the bits torch's path gives."""
+    gpu_or_skip("cuda")
+    pytest.importorskip("cupy")
+    monkeypatch.setattr(kernels, "PLAIN_COPIES_BY_KERNEL", True)
+    tensors = random_tensors(MIXES[mix], dtype, "cuda")
+    flat = poisoned(sum(t.numel() for t in tensors), dtype, "cuda")
+    assert fused(tensors, flat)
+    pack(tensors, flat)
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
+    back = [poisoned(t.numel(), dtype, "cuda").view(t.shape) for t in tensors]
+    unpack(flat, back)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
 
 
 def test_cuda_path_is_chosen_only_for_one_dtype_contiguous_cuda_tensors():

@@ -63,3 +63,244 @@ def test_device_ids_of_the_local_gpu_move_cpu_inputs_and_moving_the_wrapper_rebu
     moved = mpidp.DistributedDataParallel(mlp()).to(DEVICE)  # the wrapper follows its module
     assert {b.buffer.device for b in moved.reducer.buckets if b.buffer is not None} == {DEVICE}
     loss_of("mlp", moved(shard(x).to(DEVICE)), shard(y).to(DEVICE)).backward()
+
+
+# -- every other path on the GPU, each against the same run on the CPU ------------------
+# Two ranks may share one GPU: each then drives cuda:0, and MPI reads device memory
+# directly or through host staging (mpidp.cuda.decision()).
+
+F64 = torch.float64
+
+
+def on(device, module: torch.nn.Module) -> torch.nn.Module:
+    return module.to(device)
+
+
+def twin(factory, seed=0):
+    """The same freshly built model on the CPU and on this rank's GPU."""
+    torch.manual_seed(seed)
+    cpu = factory()
+    gpu = factory().to(DEVICE)
+    gpu.load_state_dict(cpu.state_dict())
+    return cpu, gpu
+
+
+def batches(step, dtype=torch.float32, features=10, out=5):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(12, features, generator=gen, dtype=dtype)
+    return shard(x), shard(torch.randn(12, out, generator=gen, dtype=dtype))
+
+
+def rel(gpu_module, cpu_module) -> float:
+    return max_rel_diff(gpu_module.to("cpu"), cpu_module)
+
+
+def report(name, value):
+    print(f"EQUIVALENCE-gpu size={SIZE} {name} gpu_vs_cpu={value:.3e}")
+
+
+def mlp64():
+    return mlp().double()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_on_the_gpu_match_the_cpu(stage):
+    models = twin(mlp64)
+    for model, device in zip(models, ("cpu", DEVICE)):
+        ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.001)
+        opt = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-2, stage=stage,
+                                            bucket_cap_mb=0.001, chunk_mb=0.001)
+        for step in range(4):
+            x, y = batches(step, F64)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
+            opt.step()
+        if stage == 2:  # the flat buffers live where the parameters do
+            assert all(b.buffer.device == torch.device(device) for b in ddp.reducer.buckets
+                       if b.buffer is not None)
+    diff = rel(models[1], models[0])
+    report(f"zero-stage{stage}", diff)
+    assert diff < 1e-10
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_hooks_on_the_gpu_match_the_cpu(hook):
+    from mpidp import hooks
+    models = twin(mlp)
+    for model, device in zip(models, ("cpu", DEVICE)):
+        ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
+        if hook == "powersgd":
+            ddp.register_comm_hook(hooks.PowerSGDState(None, matrix_approximation_rank=2,
+                                                       start_powerSGD_iter=2), hooks.powerSGD_hook)
+        else:
+            ddp.register_comm_hook(None, getattr(hooks, f"{hook}_compress_hook"))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(4):
+            x, y = batches(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
+            opt.step()
+    diff = rel(models[1], models[0])
+    report(f"hook-{hook}", diff)
+    assert diff < 1e-3  # a 16-bit rounding may flip where the float32 gradients differ in the last bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compressed_allreduce_on_the_gpu_gives_the_bits_of_the_cpu(dtype):
+    from mpidp import hooks
+    gen = torch.Generator().manual_seed(RANK)
+    values = torch.randn(1001, generator=gen)
+    cpu = hooks.compressed_allreduce(values.clone(), dtype)
+    gpu = hooks.compressed_allreduce(values.to(DEVICE), dtype)
+    assert gpu.device == DEVICE and torch.equal(gpu.cpu(), cpu)
+
+
+class SparseBN(torch.nn.Module):
+    """A sparse embedding bag, BatchNorm (a buffer to broadcast) and a layer used on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.EmbeddingBag(30, 10, mode="sum", sparse=True)
+        self.norm = torch.nn.BatchNorm1d(10)
+        self.head = torch.nn.Linear(10, 5)
+        self.rank0 = torch.nn.Linear(10, 10)
+
+    def forward(self, tokens):
+        hidden = self.norm(self.embed(tokens))
+        return self.head(self.rank0(hidden) if RANK == 0 else hidden)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_sparse_gradients_buffers_unused_parameters_and_no_sync_on_the_gpu(bucket_view):
+    models = twin(lambda: SparseBN().double())
+    for model, device in zip(models, ("cpu", DEVICE)):
+        ddp = mpidp.DistributedDataParallel(model, find_unused_parameters=True,
+                                            gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            tokens = shard(torch.randint(0, 30, (12, 4), generator=gen))
+            _, y = batches(step, F64)
+            opt.zero_grad()
+            with ddp.no_sync():
+                torch.nn.functional.mse_loss(ddp(tokens.to(device)), y.to(device)).backward()
+            torch.nn.functional.mse_loss(ddp(tokens.to(device)), y.to(device)).backward()
+            opt.step()
+    diff = rel(models[1], models[0])
+    report(f"sparse-bn-unused-no_sync-view{bucket_view}", diff)
+    assert diff < 1e-10
+
+
+@pytest.mark.parametrize("by_kernel", [True, False])
+def test_bucket_copies_through_the_kernel_or_torch_give_the_cpu_gradients(by_kernel, monkeypatch):
+    pytest.importorskip("cupy")
+    from mpidp import kernels
+    from mpidp.kernels import _cuda
+    monkeypatch.setattr(kernels, "PLAIN_COPIES_BY_KERNEL", by_kernel)
+
+    def launches():
+        info = _cuda._function.cache_info()  # every launch looks its kernel up here
+        return info.hits + info.misses
+
+    cpu, gpu = twin(mlp)
+    models = [mpidp.DistributedDataParallel(m, bucket_cap_mb=0.001) for m in (cpu, gpu)]
+    before = launches()
+    for model, device in zip(models, ("cpu", DEVICE)):
+        x, y = batches(0)
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+    copies = len([b for b in models[1].reducer.buckets if not b.solo])
+    assert launches() - before == (copies if by_kernel else 0)
+    for p, q in zip(gpu.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- torch.distributed over the "mpidp" backend, with CUDA tensors ------------------------
+
+
+@pytest.fixture(scope="module")
+def group():
+    import torch.distributed as dist
+    mpidp.init_process_group()
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_backend_collectives_on_device_tensors(group):
+    import torch.distributed as dist
+    tensor = torch.full((5,), float(RANK + 1), device=DEVICE)
+    dist.all_reduce(tensor)
+    assert tensor.cpu().tolist() == [SIZE * (SIZE + 1) / 2] * 5
+    work = dist.all_reduce(tensor, async_op=True)  # async: the result is there after wait()
+    work.wait()
+    assert tensor.cpu().tolist() == [SIZE * SIZE * (SIZE + 1) / 2] * 5
+    out = torch.empty(SIZE * 3, device=DEVICE)
+    dist.all_gather_into_tensor(out, torch.full((3,), float(RANK), device=DEVICE))
+    assert out.cpu().tolist() == [float(r) for r in range(SIZE) for _ in range(3)]
+    part = torch.empty(2, device=DEVICE)
+    dist.reduce_scatter_tensor(part, torch.arange(2.0 * SIZE, device=DEVICE))
+    assert part.cpu().tolist() == [SIZE * (2.0 * RANK + i) for i in range(2)]
+    root = torch.full((4,), float(RANK), device=DEVICE)
+    dist.broadcast(root, src=SIZE - 1)
+    assert root.cpu().tolist() == [float(SIZE - 1)] * 4
+
+
+def test_torch_ddp_on_the_gpu_over_mpidp_matches_mpidp_ddp_on_the_cpu(group):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    cpu, gpu = twin(mlp64)
+    ours = mpidp.DistributedDataParallel(cpu)
+    theirs = TorchDDP(gpu, device_ids=[DEVICE.index], process_group=group, bucket_cap_mb=0.001)
+    for model, device in ((ours, "cpu"), (theirs, DEVICE)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(4):
+            x, y = batches(step, F64)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+    diff = rel(gpu, cpu)
+    report("torch-ddp-over-mpidp", diff)
+    assert diff < 1e-10
+
+
+def test_torchs_bf16_hook_on_the_gpu_over_mpidp(group):
+    """torch accepts its bf16 hook only where CUDA and NCCL exist: here, on the mpidp group."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    cpu, gpu = twin(mlp)
+    results = []
+    for model, device in ((cpu, "cpu"), (gpu, DEVICE)):
+        ddp = TorchDDP(model, device_ids=[DEVICE.index] if device != "cpu" else None, process_group=group)
+        if device != "cpu":  # the exact CPU run is the reference
+            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        x, y = batches(0)
+        torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
+        results.append([p.grad.cpu() for p in model.parameters()])
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3)  # two bf16 roundings
+
+
+def test_fully_shard_on_the_gpu_matches_one_process_on_the_cpu(group):
+    from torch.distributed.fsdp import fully_shard
+    cpu, gpu = twin(lambda: torch.nn.Sequential(torch.nn.Linear(10, 33), torch.nn.Tanh(),
+                                                torch.nn.Linear(33, 32), torch.nn.Tanh(),
+                                                torch.nn.Linear(32, 5)).double())
+    for layer in gpu:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(gpu)
+    assert next(gpu.parameters()).device == DEVICE
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (cpu, gpu)]
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(12, 10, generator=gen, dtype=F64), torch.randn(12, 5, generator=gen, dtype=F64)
+        for opt in opts:
+            opt.zero_grad()
+        torch.nn.functional.mse_loss(cpu(x), y).backward()
+        torch.nn.functional.mse_loss(gpu(shard(x).to(DEVICE)), shard(y).to(DEVICE)).backward()
+        for opt in opts:
+            opt.step()
+    worst = 0.0
+    for p, q in zip(gpu.parameters(), cpu.parameters()):
+        full = p.full_tensor().detach().cpu()
+        worst = max(worst, ((full - q.detach()).abs().max() / q.abs().max()).item())
+    report("fsdp2-adam", worst)
+    assert worst < 1e-9
