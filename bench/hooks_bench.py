@@ -14,7 +14,9 @@ both ranks' gradients must be read (2S) and the result written on both ranks
 half the bytes, so its floor is half (the form is the same).
 
 ``report`` runs ``stream`` and ``train_bench.py`` at 2 ranks on every model with
-the modes local, mpidp (exact), mpidp+fp16/bf16/powersgd (mpidp's hooks),
+the modes local, mpidp (exact, the defaults), mpidp:view=1 (exact, every gradient
+in a shared-memory bucket), mpidp:shm=0 (exact, through MPI's allreduce),
+mpidp+fp16/bf16/powersgd (mpidp's hooks),
 ddp-gloo and ddp-gloo+fp16/bf16 (torch's hooks on torch's DDP over gloo), and writes a table of each mode's step over local next to the floor.
 """
 
@@ -33,8 +35,12 @@ COMM = MPI.COMM_WORLD
 # ("gloo::EnforceNotMet ... Received data size doesn't match expected size"): its
 # allreduces, chained in future callbacks on gloo's thread, interleave with the next
 # bucket's in a different order on each rank.
-MODES = ["local", "mpidp", "mpidp+fp16", "mpidp+bf16", "mpidp+powersgd",
-         "ddp-gloo", "ddp-gloo+fp16", "ddp-gloo+bf16"]
+# "mpidp": the defaults (CPU buckets in shared memory, gradients of 1 MiB or more in place
+# by MPI); "mpidp:view=1": gradient_as_bucket_view, so every gradient in a shared-memory
+# bucket; "mpidp:shm=0": shared_memory=False, every reduction through MPI's allreduce.
+MODES = ["local", "mpidp", "mpidp:view=1", "mpidp:shm=0", "mpidp+fp16", "mpidp+bf16",
+         "mpidp+powersgd", "ddp-gloo", "ddp-gloo+fp16", "ddp-gloo+bf16"]
+EXACT = ("mpidp", "mpidp:view=1", "mpidp:shm=0", "ddp-gloo")
 GRADIENT_BYTES = {"mlp": 12_595_200 * 4, "cnn": 4_835_658 * 4, "transformer": 13_634_536 * 4,
                   "wide": 25_658_724 * 4}  # float32 parameters of bench/models.py
 
@@ -63,6 +69,7 @@ def stream(args) -> None:
 
 
 def report(args) -> None:
+    args.out = os.path.abspath(args.out)  # the workers run in bench/
     os.makedirs(args.out, exist_ok=True)
     results = os.path.join(args.out, "results.jsonl")
     here = os.path.dirname(os.path.abspath(__file__))
@@ -95,15 +102,17 @@ def write_report(folder: str, results: str) -> None:
                  else "-" for mode in MODES[1:]]
         lines.append(f"| {model} | {size / 2**20:.0f} | {floor:.1f} | {floor / 2:.1f} | "
                      f"{local:.1f} | " + " | ".join(cells) + " |")
-    lines += ["", "Exact overhead over local, as a multiple of the exact floor:", "",
-              "| model | mpidp - local (ms) | / floor | ddp-gloo - local (ms) | / floor |",
-              "|---|---|---|---|---|"]
+    lines += ["", "Exact overhead over local in ms, and as a multiple of the exact floor:", "",
+              "| model | " + " | ".join(f"{mode} | / floor" for mode in EXACT) + " |",
+              "|---|" + "---|---|" * len(EXACT)]
     for model in models:
         floor = 4 * GRADIENT_BYTES[model] / (band["add_gb_s"] * 1e9) * 1e3
         local = train[(model, "local")]["median_ms"]
-        extra = {mode: train[(model, mode)]["median_ms"] - local for mode in ("mpidp", "ddp-gloo")}
-        lines.append(f"| {model} | {extra['mpidp']:.1f} | {extra['mpidp'] / floor:.2f} | "
-                     f"{extra['ddp-gloo']:.1f} | {extra['ddp-gloo'] / floor:.2f} |")
+        cells = []
+        for mode in EXACT:
+            extra = train[(model, mode)]["median_ms"] - local if (model, mode) in train else None
+            cells += ["-", "-"] if extra is None else [f"{extra:.1f}", f"{extra / floor:.2f}"]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
     with open(os.path.join(folder, "report.md"), "w") as out:
         out.write("\n".join(lines) + "\n")
     print("\n".join(lines))

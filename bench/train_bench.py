@@ -17,7 +17,8 @@ alike. A step's time is the slowest rank's. Modes:
   ``predict`` (0/1), ``poll`` (0/1: the hooks' progress polling), ``overlap``
   (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off),
   ``buffers`` (0/1: broadcast_buffers), ``stats`` (0/1: ``record_stats``, the
-  step statistics and profiler ranges).
+  step statistics and profiler ranges), ``shm`` (0/1: ``shared_memory``; by
+  default on for CPU models, every rank on one node).
 - ``mpidp+HOOK``, ``ddp-gloo+HOOK``: with a comm hook, HOOK one of fp16, bf16,
   powersgd (rank 4, compressing from the third step): mpidp's own hooks on
   mpidp, torch's on torch's DDP.
@@ -146,6 +147,8 @@ class Runner:
             options["chunk_mb"] = self.settings["chunk"]
         if "overlap" in self.settings:
             options["overlap"] = ("nonblocking", "thread", "inline")[int(self.settings["overlap"])]
+        if "shm" in self.settings:
+            options["shared_memory"] = bool(self.settings["shm"])
         wrapped = mpidp.DistributedDataParallel(model, **options)
         if "hook" in self.settings:
             wrapped.register_comm_hook(*comm_hook("mpidp", self.settings["hook"], None))

@@ -14,7 +14,7 @@ reduce-scatters each (input chunk, output shard) pair instead:
 | "nonblocking" | nonblocking MPI collectives, progressed by the     | the MPI library progresses them well (network   |
 |               | hooks polling the oldest request                   | offload, asynchronous progress)                 |
 
-Measured with MPICH 5.0 on 2 ranks x 1 core (bench/README numbers): MPICH's
+Measured with MPICH 5.0 on 2 ranks x 1 core (README, Performance): MPICH's
 nonblocking allreduce moves data about half as fast as its blocking one, and
 with both cores computing, a thread only adds scheduling jitter, so "inline"
 is the default.
@@ -45,6 +45,7 @@ class _Strategy:
     def __init__(self, pool: _comm.Pool, chunk_bytes: int):
         self.pool = pool
         self.chunk_bytes = chunk_bytes
+        self.window = None  # an mpidp.shm.Window: buffers in it are reduced there, blocking
 
     def _pieces(self, buffer: torch.Tensor, divisor: int):
         chunk = max(1, self.chunk_bytes // buffer.element_size())
@@ -55,6 +56,9 @@ class _Strategy:
 
     def _each(self, buffer, divisor, pairs, allreduce, reduce_scatter) -> list:
         # pairs: (input chunk, output) of a reduce-scatter per chunk (ZeRO stage 2)
+        if pairs is None and self.window is not None and self.window.holds(buffer):
+            self.window.allreduce(buffer, divisor)
+            return []
         if pairs is None:
             return [allreduce(piece, "sum", comm=self.pool)
                     for piece in self._pieces(buffer, divisor)]

@@ -39,6 +39,7 @@ step with its communicators lined up.
 from __future__ import annotations
 
 import collections
+import warnings
 import dataclasses
 import functools
 import itertools
@@ -49,6 +50,7 @@ import torch
 
 from . import comm as _comm
 from . import overlap as _overlap
+from . import shm as _shm
 from . import sparse as _sparse
 from . import watchdog as _watchdog
 from .buckets import Bucket, Shards, assign_buckets
@@ -156,7 +158,8 @@ class Reducer:
                  gradient_as_bucket_view: bool, predict_order: bool = True,
                  overlap: str = "auto", chunk_bytes: int = 4 << 20,
                  solo_bytes: int | None = None, sparse: Sequence[int] = (),
-                 static_graph: bool = False, timeout: float | None = None):
+                 static_graph: bool = False, timeout: float | None = None,
+                 shared: "_shm.Node | None" = None):
         self.names = [name for name, _ in named_params]
         self.timeout = timeout
         self.params = [param for _, param in named_params]
@@ -179,6 +182,10 @@ class Reducer:
         self._caps = (bucket_cap_bytes, first_bucket_bytes)
         self._solo_bytes = solo_bytes
         self._layout_key = [(param.dtype, param.device) for param in self.params]
+        # Shared memory: the CPU buckets live in one mapping the node's ranks share,
+        # made anew with each layout (collective, as building one is): see mpidp.shm.
+        self._node = shared
+        self.window: _shm.Window | None = None
         self._build(self._assign())
         n = len(self.params)
         # counts per parameter, then [failed, step number, its square, joined]
@@ -226,6 +233,8 @@ class Reducer:
         for bucket, members in zip(self.buckets, layout):
             for k, index in enumerate(members):
                 self._slot[index] = (bucket, k)
+        if self._node is not None:
+            self._adopt_window()
 
     def _slots(self):
         return ((slot if slot is not None else (None, None)) for slot in self._slot)
@@ -249,6 +258,41 @@ class Reducer:
                 if param.grad is not None and param.grad.data_ptr() == old.data_ptr():
                     new.copy_(old)
                     param.grad = new
+
+    def _adopt_window(self) -> None:
+        """Move the CPU buckets into one shared mapping (collective, with each layout).
+
+        Every rank has the same layout here, so the same buckets and sizes. A
+        gradient that is a bucket view follows its bucket. If any rank cannot
+        allocate, every rank keeps its buckets and reduces with MPI from now on.
+        The previous layout's mapping goes with the last tensor on it.
+        """
+        node = self._node
+        buckets = [b for b in self.buckets if not b.solo and b.buffer is not None
+                   and b.buffer.device.type == "cpu"]
+        if not buckets:
+            return
+        offsets, total = [], 0
+        for bucket in buckets:
+            offsets.append(total)
+            total += -(-bucket.buffer.numel() * bucket.buffer.element_size() // 64) * 64
+        window = node.allocate(total)
+        if window is None:
+            self._node = self.window = self.strategy.window = None
+            warnings.warn(f"mpidp: no shared-memory window of {total} bytes could be allocated "
+                          f"(is /dev/shm full?); gradients are reduced through MPI",
+                          RuntimeWarning, stacklevel=2)
+            return
+        old_views = [bucket.views[k] if bucket is not None else None for bucket, k in self._slots()]
+        for bucket, offset in zip(buckets, offsets):
+            moved = window.tensor(offset, bucket.buffer.numel(), bucket.buffer.dtype)
+            moved.copy_(bucket.buffer)
+            bucket.bind(moved)
+        if self.as_view:
+            for param, old, (bucket, k) in zip(self.params, old_views, self._slots()):
+                if old is not None and param.grad is not None and param.grad.data_ptr() == old.data_ptr():
+                    param.grad = bucket.views[k]
+        self.window = self.strategy.window = window
 
     # -- public -----------------------------------------------------------------------
 

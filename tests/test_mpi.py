@@ -29,6 +29,7 @@ MPI_FILES = [
     ("tests/mpi/check_backend_fsdp.py", [2, 4]),
     ("tests/mpi/check_zero.py", [2, 3, 4]),
     ("tests/mpi/check_hooks.py", [2, 3]),
+    ("tests/mpi/check_shm.py", [2, 4]),
 ]
 
 
@@ -45,6 +46,16 @@ def test_mpi_file(path, nprocs):
 def test_host_staging_path(path):
     """The staging used for device memory without CUDA-aware MPI, exercised on CPU tensors."""
     launch.run_pytest(2, path, timeout=300, env={"MPIDP_STAGE_CPU": "1"})
+
+
+def test_shared_memory_across_nodes():
+    """Four ranks as two "nodes" of two: the node sums, then MPI between the nodes."""
+    launch.run_pytest(4, "tests/mpi/check_shm.py", timeout=300, env={"MPIDP_SHM_NODE_SIZE": "2"})
+
+
+def test_ddp_through_mpi_alone():
+    """The DDP tests with shared memory off: every bucket through MPI's allreduce."""
+    launch.run_pytest(2, "tests/mpi/check_ddp.py", timeout=300, env={"MPIDP_SHARED_MEMORY": "0"})
 
 
 @pytest.mark.parametrize("path", ["tests/mpi/check_backend.py", "tests/mpi/check_backend_torch.py"],

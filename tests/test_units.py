@@ -145,7 +145,7 @@ def test_shards_of_a_big_tensor_split_it_between_all_ranks_evenly():
     (dict(overlap="mpi"), ValueError,
      "overlap must be one of 'auto', 'inline', 'thread', 'nonblocking', got 'mpi'"),
     (dict(chunk_mb=0), ValueError, "chunk_mb must be a number > 0, got 0"),
-    (dict(inplace_threshold_mb=-1), ValueError, "inplace_threshold_mb must be a number > 0, got -1"),
+    (dict(inplace_threshold_mb=-1), ValueError, "inplace_threshold_mb must be a number > 0, None or \"auto\", got -1"),
 ])
 def test_ddp_argument_errors_name_argument_rule_and_value(kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
