@@ -404,11 +404,16 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError(f"shared_memory=True reduces CPU gradients; the module is on "
                                  f"{device} (leave shared_memory=None)")
             return None
-        node = _shm.Node(base)  # usable or not, the same on every rank
-        if wanted and not node.usable:
-            raise ValueError(f"shared_memory=True needs every node to hold the same number (> 1) "
-                             f"of the communicator's ranks, but {node.reason}")
-        return node if node.usable else None
+        node, owned = _shm.node_of(base)  # usable or not, the same on every rank
+        if not node.usable:
+            if owned:
+                node.free()
+            if wanted:
+                raise ValueError(f"shared_memory=True needs every node to hold the same number "
+                                 f"(> 1) of the communicator's ranks, but {node.reason}")
+            return None
+        self._node_owned = owned
+        return node
 
     def _make_reducer(self, overlap: str, sink=None) -> Reducer:
         options = self._options
@@ -785,7 +790,7 @@ class DistributedDataParallel(nn.Module):
                 self.control.Free()
                 self.pool = self.control = None
             node, self._node = getattr(self, "_node", None), None
-            if node is not None:
+            if node is not None and getattr(self, "_node_owned", False):
                 node.free()  # the buckets' shared memory stays while tensors use it
 
     def __enter__(self) -> "DistributedDataParallel":

@@ -39,12 +39,30 @@ from mpi4py import MPI
 from . import _env
 from . import watchdog as _watchdog
 
-__all__ = ["Node", "Window"]
+__all__ = ["Node", "Window", "node_of"]
 
 _ALIGN = 64  # bytes: each bucket starts on a cache line
 _LINE = 16  # elements: owned slices start on a multiple of this (no false sharing)
 _BLOCK_BYTES = 256 << 10  # a block summed at a time: fits L2 with its sources
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # summed in float32
+
+
+_WORLD_NODES: dict[int, "Node"] = {}  # MPIDP_SHM_NODE_SIZE -> COMM_WORLD's Node, kept
+
+
+def node_of(comm: MPI.Intracomm) -> tuple["Node", bool]:
+    """(the Node of ``comm``, whether the caller owns it and must ``free`` it). Collective.
+
+    COMM_WORLD's is made once and kept for the process: a program that wraps
+    many models (each DDP is collective over its communicator) makes its
+    communicators once.
+    """
+    if comm != MPI.COMM_WORLD:
+        return Node(comm), True
+    forced = int(_env.number("MPIDP_SHM_NODE_SIZE", 0, integer=True))
+    if forced not in _WORLD_NODES:
+        _WORLD_NODES[forced] = Node(comm)
+    return _WORLD_NODES[forced], False
 
 
 class Node:
@@ -175,7 +193,7 @@ class Window:
             tensor.div_(divisor)
         peers = self._peers(tensor)
         numel, size, rank = tensor.numel(), self.node.local_size, self.node.local_rank
-        label = ("allreduce", tensor, "op", "sum (shared memory)")
+        label = ("shared-memory allreduce", tensor, "op", "sum")
         self._fence(label)  # every rank's gradients are in
         lo = numel * rank // size // _LINE * _LINE
         hi = numel if rank == size - 1 else numel * (rank + 1) // size // _LINE * _LINE
