@@ -27,9 +27,9 @@ MPI_FILES = [
     ("tests/mpi/check_backend.py", [2, 4]),
     ("tests/mpi/check_backend_torch.py", [2]),
     ("tests/mpi/check_backend_fsdp.py", [2, 4]),
-    ("tests/mpi/check_zero.py", [2, 3])  # 4 ranks: zero_reshard.py,
+    ("tests/mpi/check_zero.py", [2, 3]),  # 4 ranks: zero_reshard.py
     ("tests/mpi/check_hooks.py", [2, 3]),
-    ("tests/mpi/check_shm.py", [2, 3])  # 4: test_shared_memory_across_nodes,
+    ("tests/mpi/check_shm.py", [2, 3]),  # 4: test_shared_memory_across_nodes
 ]
 
 
