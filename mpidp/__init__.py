@@ -18,7 +18,7 @@ raises ``RuntimeError``.
 # runtime first: it decides, before anything imports mpi4py.MPI, whether that
 # import may initialise MPI (not in a multiprocessing child).
 from . import runtime  # isort: skip
-from . import comm, cuda, hooks, kernels, objects, optimizer, process_group, topology, watchdog, zero
+from . import comm, cuda, errors, hooks, kernels, objects, optimizer, process_group, topology, watchdog, zero
 from .ddp import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
@@ -39,7 +39,7 @@ __all__ = [
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group",
-    "comm", "cuda", "hooks", "kernels", "objects", "optimizer", "process_group", "runtime", "topology",
+    "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "runtime", "topology",
     "watchdog", "zero",
     "rank_topology",
     "__version__",

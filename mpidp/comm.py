@@ -51,6 +51,7 @@ import functools
 import itertools
 import math
 import os
+import threading
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ from mpi4py import MPI
 
 from . import _env
 from . import cuda as _cuda
+from . import errors as _errors
 from . import runtime as _runtime
 from . import watchdog as _watchdog
 
@@ -145,6 +147,10 @@ class Handle:
     def _settle(self, call) -> bool:
         try:
             done = call()
+        except MPI.Exception as error:
+            label = self._label
+            self._release()
+            raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
         except BaseException:
             self._release()
             raise
@@ -181,7 +187,11 @@ class Pool:
             self.comms = [base.Dup() for _ in range(size)]
         finally:
             slot.current = None
-        self._next = 0
+        # itertools.cycle's next() is one C call: atomic under the GIL, so two threads
+        # never take the same turn. Which member a collective gets still follows the
+        # order the threads issue in; the rule (docs/concurrency.md) is that one thread
+        # issues a given pool's collectives, or the program orders them itself.
+        self._cycle = itertools.cycle(self.comms)
 
     @property
     def rank(self) -> int:
@@ -193,9 +203,7 @@ class Pool:
 
     def next(self) -> MPI.Intracomm:
         """Return the next communicator of the pool (round-robin)."""
-        comm = self.comms[self._next]
-        self._next = (self._next + 1) % len(self.comms)
-        return comm
+        return next(self._cycle)
 
     def free(self) -> None:
         """Free the duplicated communicators (collective)."""
@@ -204,22 +212,32 @@ class Pool:
         self.comms = []
 
 
-@functools.cache
+_default: list = []  # the default pool, once made
+_default_lock = threading.Lock()
+
+
 def default_pool() -> Pool:
     """Return the pool over ``MPI.COMM_WORLD`` used when ``comm`` is None.
 
     Its size comes from ``MPIDP_POOL_SIZE`` (default 2). Created on first use,
-    which is collective.
+    which is collective; two threads that use it first at once make it once
+    (the lock), not twice in an order that may differ between ranks.
     """
-    _runtime.require_mpi()
-    pool = Pool(MPI.COMM_WORLD, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1, integer=True)))
-    _watchdog.start()  # collective over COMM_WORLD, as the pool's creation; no-op once started
-    return pool
+    if _default:
+        return _default[0]
+    with _default_lock:
+        if not _default:
+            _runtime.require_mpi()
+            pool = Pool(MPI.COMM_WORLD, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1,
+                                                        integer=True)))
+            _watchdog.start()  # collective over COMM_WORLD, as the pool's creation
+            _default.append(pool)
+    return _default[0]
 
 
 # A forked child must not reuse the parent's cached pool: forgetting it makes
 # the child's first collective go through require_mpi(), which refuses there.
-os.register_at_fork(after_in_child=default_pool.cache_clear)
+os.register_at_fork(after_in_child=_default.clear)
 
 
 def _base(comm) -> MPI.Intracomm:
@@ -454,10 +472,16 @@ def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocki
     ``label`` names the call in stall reports (``mpidp.watchdog``), built only then.
     """
     if nonblocking:
-        return Handle(getattr(comm, "I" + name.lower())(*args), keep, result, finish, label)
+        try:
+            request = getattr(comm, "I" + name.lower())(*args)
+        except MPI.Exception as error:
+            raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
+        return Handle(request, keep, result, finish, label)
     slot = _watchdog.begin(label)
     try:
         getattr(comm, name)(*args)
+    except MPI.Exception as error:
+        raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
     finally:
         slot.current = None
     if finish is not None:

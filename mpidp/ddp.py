@@ -404,15 +404,13 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError(f"shared_memory=True reduces CPU gradients; the module is on "
                                  f"{device} (leave shared_memory=None)")
             return None
-        node, owned = _shm.node_of(base)  # usable or not, the same on every rank
+        node = _shm.node_of(base)  # usable or not, the same on every rank; this DDP's own
         if not node.usable:
-            if owned:
-                node.free()
+            node.free()
             if wanted:
                 raise ValueError(f"shared_memory=True needs every node to hold the same number "
                                  f"(> 1) of the communicator's ranks, but {node.reason}")
             return None
-        self._node_owned = owned
         return node
 
     def _make_reducer(self, overlap: str, sink=None) -> Reducer:
@@ -790,7 +788,7 @@ class DistributedDataParallel(nn.Module):
                 self.control.Free()
                 self.pool = self.control = None
             node, self._node = getattr(self, "_node", None), None
-            if node is not None and getattr(self, "_node_owned", False):
+            if node is not None:
                 node.free()  # the buckets' shared memory stays while tensors use it
 
     def __enter__(self) -> "DistributedDataParallel":

@@ -44,12 +44,10 @@ gathers, scatters, all-to-all, send/recv) carries any dtype as bytes.
 from __future__ import annotations
 
 import atexit
-import collections
 import datetime
 import functools
 import importlib
 import os
-import threading
 import time
 from urllib.parse import parse_qs, urlparse
 
@@ -61,6 +59,7 @@ from torch.distributed import ReduceOp
 from . import _env
 from . import comm as _comm
 from . import runtime as _runtime
+from . import work as _work
 
 __all__ = ["BACKEND", "ProcessGroupMPIDP", "init_process_group", "register"]
 
@@ -146,196 +145,18 @@ def _create(common, options):
     return ProcessGroupMPIDP(base, common.group_rank, common.group_size, common.timeout)
 
 
-# -- work and its progress ---------------------------------------------------------------------
+# -- work and its progress: mpidp.work ------------------------------------------------------
 
-class _Work(dist.Work):
-    """A pending collective or message: mpidp.comm handles, the tensors torch gets back.
-
-    ``wait()`` blocks this thread in MPI until done; the progress thread completes it
-    (and its future) otherwise. Only one thread ever tests or waits on its requests.
-    """
-
-    def __init__(self, handles, result, finish=None, key=None, source=None, owner=None):
-        super().__init__()
-        self._owner = key if owner is None else owner  # the group (shutdown drains it)
-        self._handles = handles
-        self._result = result
-        self._finish = finish
-        self._key = key  # the group's queue (issue order), or None: completes on its own
-        self._source = source  # a _Receive whose status names the sender
-        self._state = "pending"  # -> "claimed" (a waiter) -> "done"
-        self._error = None
-        self._future = None
-        self._future_set = False
-        self._event = None  # CUDA: recorded after the progress thread's copy-back
-        self._tracked = False  # the progress thread completes it (else wait/is_completed)
-        self._deferred = None  # blocking MPI calls to run once the earlier works are done
-
-    # progress (under _progress.lock, on the progress thread)
-    def _test(self) -> bool:
-        try:
-            while self._handles:
-                if not self._handles[0].is_completed():
-                    return False
-                self._handles.pop(0)
-            if self._finish is not None:
-                self._finish()
-                self._record_event()
-        except Exception as error:  # the future and wait() report it
-            self._error = error
-        self._state = "done"
-        return True
-
-    def _record_event(self) -> None:
-        if any(t.is_cuda for t in self._result):
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def _complete_future(self) -> None:
-        with _progress.lock:
-            future = self._future
-            if future is None or self._future_set:
-                return
-            self._future_set = True
-        _settle_future(future, self._result, self._error)
-
-    # torch's Work API
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        # As on a CUDA stream, a later operation of a group completes after the earlier
-        # ones: finish those first, so futures (and their callbacks) complete in order.
-        for earlier in _progress.before(self):
-            earlier._wait_own(timeout)
-        return self._wait_own(timeout)
-
-    def _wait_own(self, timeout) -> bool:
-        with _progress.lock:
-            claimed = self._state == "pending"
-            if claimed:
-                self._state = "claimed"
-        if claimed:
-            deadline = _deadline(timeout)
-            try:
-                if self._deferred is not None:  # its turn in the group's order has come
-                    self._deferred()
-                    self._deferred = None
-                for handle in self._handles:
-                    _wait(handle, deadline)
-                self._handles = []
-                if self._finish is not None:
-                    self._finish()
-            except TimeoutError:
-                with _progress.lock:
-                    self._state = "pending"
-                _progress.wake()
-                raise
-            except Exception as error:
-                self._error = error
-            with _progress.lock:
-                self._state = "done"
-            _progress.wake()  # the group's queue may move on
-            self._complete_future()
-        else:
-            while self._state != "done":  # the progress thread is finishing it
-                time.sleep(0)
-            if self._event is not None:
-                torch.cuda.current_stream().wait_event(self._event)
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def _run_turn(self) -> None:
-        """Progress thread: run a deferred work it claimed (blocking calls, in group order)."""
-        try:
-            self._deferred()
-            self._deferred = None
-        except Exception as error:
-            self._error = error
-        with _progress.lock:
-            self._state = "done"
-        self._complete_future()
-
-    def is_completed(self) -> bool:
-        if self._state == "pending":
-            if self._tracked:
-                _progress.poke()
-            else:  # below MPI_THREAD_MULTIPLE: only the program's thread may test it
-                with _progress.lock:
-                    if self._state == "pending":
-                        self._test()
-                if self._state == "done":
-                    self._complete_future()
-        return self._state == "done"
-
-    def is_success(self) -> bool:
-        return self._state == "done" and self._error is None
-
-    def exception(self):
-        return self._error
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        if not self._tracked and self._state == "pending":
-            # below MPI_THREAD_MULTIPLE nothing else would complete it: finish it now
-            try:
-                self._wait_own(None)
-            except Exception:  # kept in self._error: the future carries it
-                pass
-        with _progress.lock:
-            if self._future is None:
-                self._future = _new_future(self._result)
-            done = self._state == "done" and not self._future_set
-            if done:
-                self._future_set = True
-        if done:
-            _settle_future(self._future, self._result, self._error)
-        return self._future
-
-    def source_rank(self) -> int:
-        if self._source is None:
-            raise ValueError("source_rank() is only available for a receive from any source")
-        return self._source.status.Get_source()
-
-    _source_rank = source_rank
-
-
-class _Done(dist.Work):
-    """A Work that completed before it was returned (blocking calls; below THREAD_MULTIPLE)."""
-
-    def __init__(self, result, source=None):
-        super().__init__()
-        self._result = result
-        self._source = source
-        self._future = None
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            self._future = _new_future(self._result)
-            self._future.set_result(self._result)
-        return self._future
-
-    def source_rank(self) -> int:
-        if self._source is None:
-            raise ValueError("source_rank() is only available for a receive from any source")
-        return self._source
-
-    _source_rank = source_rank
+# An all_reduce larger than this goes chunk by chunk (see ProcessGroupMPIDP.allreduce).
+_CHUNK_BYTES = int(_env.number("MPIDP_CHUNK_MB", 4, minimum=0.001) * (1 << 20))
+# MPI moves a nonblocking operation on only inside MPI calls (MPICH, Open MPI without an
+# asynchronous progress thread): after a request is added or completes, the progress
+# thread tests without sleeping for this long, then backs off (a receive that waits for
+# a late message should not keep a core busy).
+_progress = _work.progress
+_progress.spin_seconds = _env.number("MPIDP_PROGRESS_SPIN_MS", 10, minimum=0) / 1e3
+atexit.register(_progress.stop)  # after mpi4py's import registered MPI_Finalize: runs before it
+os.register_at_fork(after_in_child=lambda: setattr(_progress, "_thread", None))
 
 
 class _NoExtensions:
@@ -347,217 +168,6 @@ class _NoExtensions:
     @staticmethod
     def supports_tensor_alloc(device) -> bool:
         return False
-
-
-class _All(dist.Work):
-    """Several Works as one (``_coalescing_manager``'s)."""
-
-    def __init__(self, works):
-        super().__init__()
-        self._works = works
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        for work in self._works:
-            work.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-    def result(self) -> list[torch.Tensor]:
-        return [t for work in self._works for t in work.result()]
-
-    def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([w.get_future() for w in self._works]).then(
-            lambda _: self.result())
-
-
-def _blocking(result) -> "_Done":
-    _BLOCKING._result = result
-    return _BLOCKING
-
-
-# What a blocking call (asyncOp False) returns: torch waits on it and drops it, so one
-# shared completed Work saves a microsecond per call (creating a Work costs that much).
-_BLOCKING = _Done([])
-
-
-def _new_future(result) -> torch.futures.Future:
-    devices = sorted({str(t.device) for t in result if t.is_cuda})
-    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-
-
-def _settle_future(future, result, error) -> None:
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _deadline(timeout) -> float | None:
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0
-    return time.monotonic() + seconds if seconds > 0 else None
-
-
-def _wait(handle, deadline) -> None:
-    if deadline is None:
-        handle.wait()
-        return
-    while not handle.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError("Work.wait: the operation did not complete within the timeout "
-                               "(it goes on; wait again to finish it)")
-        time.sleep(50e-6)
-
-
-# An all_reduce larger than this goes chunk by chunk (see ProcessGroupMPIDP.allreduce).
-_CHUNK_BYTES = int(_env.number("MPIDP_CHUNK_MB", 4, minimum=0.001) * (1 << 20))
-# MPI moves a nonblocking operation on only inside MPI calls (MPICH, Open MPI without an
-# asynchronous progress thread): after a request is added or completes, the progress
-# thread tests without sleeping for this long, then backs off (a receive that waits for
-# a late message should not keep a core busy).
-_SPIN_SECONDS = _env.number("MPIDP_PROGRESS_SPIN_MS", 10, minimum=0) / 1e3
-
-
-class _Progress:
-    """The thread that tests pending requests and completes their futures.
-
-    It polls with ``MPI_Test`` (a thread blocked in ``MPI_Wait`` could not see
-    requests issued after it began waiting, nor leave the request to a ``wait()``):
-    without sleeping for ``_SPIN_SECONDS`` after a request arrives or completes,
-    then sleeping from 20 us doubling up to ``_MAX_SLEEP``; a new request wakes it
-    at once. A deferred work (a chunked all_reduce) is run by this thread, with
-    blocking calls, when its turn in the group's order comes.
-    """
-
-    _MAX_SLEEP = 500e-6
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self._cv = threading.Condition(self.lock)
-        self._queues: dict = collections.defaultdict(collections.deque)
-        self._loose: list[_Work] = []  # messages: each completes on its own
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._added = False  # a request came since the thread last looked
-
-    def add(self, work: _Work) -> None:
-        with self._cv:
-            work._tracked = True
-            self._added = True
-            if work._key is None:
-                self._loose.append(work)
-            else:
-                self._queues[work._key].append(work)
-            if self._thread is None:
-                self._start()
-            self._cv.notify()
-
-    def wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
-
-    poke = wake
-
-    def queued(self, key) -> list[_Work]:
-        """The works of group ``key`` queued and not yet done."""
-        with self._cv:
-            return [w for w in self._queues.get(key, ()) if w._state != "done"]
-
-    def before(self, work: _Work) -> list[_Work]:
-        """The works of ``work``'s group queued before it, not yet done."""
-        if work._key is None or work._state == "done":
-            return []
-        with self._cv:
-            queue = self._queues.get(work._key, ())
-            earlier = []
-            for other in queue:
-                if other is work:
-                    return earlier
-                if other._state != "done":
-                    earlier.append(other)
-            return []
-
-    def busy(self, owner) -> bool:
-        """Whether ``owner`` (a group) has operations not yet done."""
-        with self._cv:
-            return any(w._owner is owner and w._state != "done"
-                       for queue in [*self._queues.values(), self._loose] for w in queue)
-
-    def in_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def _start(self) -> None:
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mpidp-progress", daemon=True)
-        self._thread.start()
-
-    def _pending(self) -> bool:
-        return bool(self._loose) or any(self._queues.values())
-
-    def _run(self) -> None:
-        sleep, busy_since = 0.0, time.monotonic()
-        while True:
-            with self._cv:
-                while not self._pending() and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    return
-                done, turns = self._test()
-                added, self._added = self._added, False
-            for work in done:  # outside the lock: callbacks may issue collectives
-                work._complete_future()
-            for work in turns:
-                work._run_turn()
-            done = done or turns
-            now = time.monotonic()
-            if done or added:
-                busy_since, sleep = now, 0.0
-            if now - busy_since < _SPIN_SECONDS:
-                time.sleep(0)  # lets the program's threads take the GIL
-                continue
-            sleep = min(max(2 * sleep, 20e-6), self._MAX_SLEEP)
-            with self._cv:
-                self._cv.wait(sleep)
-
-    def _test(self) -> tuple[list[_Work], list[_Work]]:
-        """(works done now, deferred works whose turn came: this thread runs them)."""
-        done, turns = [], []
-        for key, queue in list(self._queues.items()):
-            while queue:
-                work = queue[0]
-                if work._state == "pending" and work._deferred is not None:
-                    work._state = "claimed"
-                    turns.append(work)
-                    break
-                if work._state == "claimed" or work._state == "pending" and not work._test():
-                    break
-                queue.popleft()
-                done.append(work)
-            if not queue:
-                del self._queues[key]
-        loose = []
-        for work in self._loose:
-            if work._state == "done" or work._state == "pending" and work._test():
-                done.append(work)
-            else:
-                loose.append(work)
-        self._loose = loose
-        return done, turns
-
-    def stop(self) -> None:
-        """At exit, before MPI_Finalize: no MPI call from this thread after it."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        self._thread = None
-
-
-_progress = _Progress()
-atexit.register(_progress.stop)  # after mpi4py's import registered MPI_Finalize: runs before it
-os.register_at_fork(after_in_child=lambda: setattr(_progress, "_thread", None))
 
 
 # -- the process group ---------------------------------------------------------------------------
@@ -653,6 +263,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         self._timeout = timeout
         self._coalesced = None  # between _start_coalescing and _end_coalescing: the Works
         self._chunk_comm = comm.Dup()  # large allreduces, chunk by chunk (see allreduce)
+        self._aborted = None  # why abort() was called
 
     # names torch and its functional collectives look up
     def getBackendName(self) -> str:
@@ -695,10 +306,11 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     def _end_coalescing(self, device):
         works, self._coalesced = self._coalesced or [], None
-        return works[0] if len(works) == 1 else _All(works)
+        return works[0] if len(works) == 1 else _work.All(works)
 
     def __repr__(self) -> str:
-        return f"ProcessGroupMPIDP(rank={self._mpi.Get_rank()}, size={self._mpi.Get_size()})"
+        name = f", name={self._name!r}" if self._name else ""
+        return f"ProcessGroupMPIDP(rank={self.rank()}, size={self.size()}{name})"
 
     # -- issuing ---------------------------------------------------------------------------
 
@@ -713,36 +325,59 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def _issue(self, opts, start, result, finish=None):
         """Run ``start(nonblocking)`` -> handle(s); return a Work for ``result``.
 
-        Complete on return when the caller asked so, below THREAD_MULTIPLE (the blocking
-        MPI call), or on the progress thread (a future's callback: nothing else would
-        progress it).
+        Complete on return when the caller asked so or below THREAD_MULTIPLE (the
+        blocking MPI call); from a future's callback the progress thread drives it
+        (mpidp.work, rule 4).
         """
+        self._check_usable()
         if not self._async:
             start(False)
             if finish is not None:
                 finish()
-            if not opts.asyncOp:  # torch's blocking dist.* calls, which drop the Work
-                _BLOCKING._result = result
-                return _BLOCKING
-            return _Done(result)
+            return _work.blocking(result) if not opts.asyncOp else _work.Done(result)
         # MPI never matches a blocking collective with a nonblocking one, and torch issues
         # one call with async_op=True on some ranks, False on others (Join, DDP under join;
         # a then() callback runs inline on one rank, on the progress thread on another):
         # from THREAD_MULTIPLE on, every call starts nonblocking; blocking ones wait here.
         handles = start(True)
         handles = handles if isinstance(handles, list) else [handles]
-        if not opts.asyncOp or _progress.in_thread():
-            for handle in handles:
-                handle.wait()
+        if not opts.asyncOp and not _progress.in_thread():
+            deadline = self._deadline()
+            try:
+                for handle in handles:
+                    _work.wait_request(handle, deadline)
+            except TimeoutError:
+                work = self._work(handles, result, finish)
+                _progress.expire(work)
+                work.wait()  # raises the group's timeout error
             if finish is not None:
                 finish()
-            if not opts.asyncOp:
-                _BLOCKING._result = result
-                return _BLOCKING
-            return _Done(result)
-        work = _Work(handles, result, finish, self)
+            return _work.blocking(result)
+        work = self._work(handles, result, finish)
         _progress.add(work)
+        if _progress.in_thread():
+            work.wait()
+            return _work.Done(result) if opts.asyncOp else _work.blocking(result)
         return work
+
+    def _work(self, handles, result, finish=None, **kwargs) -> _work.Work:
+        label = kwargs.pop("label", None) or (handles[0]._label if handles else None)
+        return _work.Work(handles, result, finish=finish, group=self, label=label,
+                          deadline=self._deadline(), **kwargs)
+
+    def _deadline(self) -> float | None:
+        seconds = self.timeout_seconds()
+        return time.monotonic() + seconds if seconds > 0 else None
+
+    def timeout_seconds(self) -> float:
+        """The group's timeout (``init_process_group``/``new_group``'s), in seconds; 0: none."""
+        timeout = self._timeout
+        return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
+
+    def _check_usable(self) -> None:
+        if self._aborted is not None:
+            raise dist.DistBackendError(f"mpidp: {self!r} was aborted ({self._aborted}); "
+                                        f"it takes no more operations")
 
     def _op(self, opts, tensor: torch.Tensor) -> str:
         op = opts.reduceOp  # a fresh copy at each read: read once
@@ -765,35 +400,36 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.AllreduceOptions()
         tensor = _one(tensors, "allreduce")
         op = self._op(opts, tensor)
-        if tensor.nbytes <= _CHUNK_BYTES or not tensor.is_contiguous():
+        if tensor.nbytes <= _CHUNK_BYTES:
             return self._run(opts, lambda nb: (_comm.iallreduce if nb else _comm.allreduce)(
                 tensor, op, comm=self._pool), [tensor])
         # MPI's shared-memory bandwidth drops once a message leaves the cache: reduce a
         # large tensor (one DDP bucket may hold 100 MB) in chunks, one after the other,
-        # as mpidp.DistributedDataParallel does (4 MiB measured best there). The chunks
-        # go as blocking calls on a communicator of their own, in the group's order:
-        # here for a blocking call, on the progress thread when an async one's turn comes.
-        pieces = tensor.view(-1).split(max(1, _CHUNK_BYTES // tensor.element_size()))
-
-        def reduce_pieces():
-            for piece in pieces:
-                _comm.allreduce(piece, op, comm=self._chunk_comm)
-
-        if opts.asyncOp and self._async and not _progress.in_thread():
-            work = _Work([], [tensor], key=self)
-            work._deferred = reduce_pieces
-            _progress.add(work)
-            return self._record(work)
-        for earlier in _progress.queued(self):  # the chunk communicator's order
-            earlier.wait()
-        reduce_pieces()
-        return self._record(_Done([tensor]) if opts.asyncOp else _blocking([tensor]))
+        # as mpidp.DistributedDataParallel does (4 MiB measured best there), on the
+        # group's chunk communicator (mpidp.work, rule 3). The size alone decides, so
+        # every rank takes the same path; a non-contiguous tensor goes through a copy.
+        self._check_usable()
+        staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+        finish = None if staged is tensor else (lambda: tensor.copy_(staged))
+        chunks = _work.Chunks(staged, op, self._chunk_comm, _CHUNK_BYTES)
+        if not self._async:
+            chunks.run()
+            if finish is not None:
+                finish()
+            return self._record(_work.Done([tensor]) if opts.asyncOp else _work.blocking([tensor]))
+        work = self._work([], [tensor], finish, chunks=chunks,
+                          label=("allreduce in chunks", tensor, "op", op))
+        _progress.add(work)
+        if not opts.asyncOp or _progress.in_thread():
+            work.wait()
+            return self._record(_work.Done([tensor]) if opts.asyncOp else _work.blocking([tensor]))
+        return self._record(work)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
         tensors = list(tensors)
         if not tensors:
-            return _Done([])
+            return _work.Done([])
         _check_dtypes("allreduce_coalesced", tensors, tensors[0].dtype)
         flat = _flat(tensors)
         op = self._op(opts, flat)
@@ -1012,8 +648,9 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int):
         tensor = _one(tensors, "send")
         moved = _as_moved(tensor)
+        self._check_usable()
         handle = _comm.isend(moved, dst, tag, comm=self._pool)
-        work = _Work([handle], [tensor], key=None, owner=self)
+        work = self._work([handle], [tensor], ordered=False)
         if self._async:  # else wait() or is_completed() on the program's thread completes it
             _progress.add(work)
         return work
@@ -1027,8 +664,9 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def _receive(self, tensors, src, tag, what):
         tensor = _one(tensors, what)
         moved = _as_moved(tensor)
+        self._check_usable()
         handle, receive = _comm._irecv(moved, src, tag, self._pool)
-        work = _Work([handle], [tensor], key=None, source=receive, owner=self)
+        work = self._work([handle], [tensor], ordered=False, source=receive)
         if self._async:  # else wait() or is_completed() on the program's thread completes it
             _progress.add(work)
         return work
@@ -1038,9 +676,16 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Finish the group's pending operations, then free its communicators (collective).
 
-        torch's destroy_process_group calls it on every rank.
+        torch's destroy_process_group calls it on every rank. After ``abort()``
+        nothing is freed: MPI may still be working on the aborted operations.
         """
+        if self._aborted is not None:
+            return
+        deadline = self._deadline()
         while _progress.busy(self):
+            if deadline is not None and time.monotonic() > deadline:
+                raise dist.DistBackendError(f"mpidp: {self!r} could not shut down: operations "
+                                            f"were still pending after the group's timeout")
             time.sleep(1e-4)
         if self._pool.comms:
             self._pool.free()
@@ -1049,7 +694,15 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
                 self._mpi.Free()
 
     def abort(self) -> None:
-        """Leave the communicators as they are: operations may still be pending."""
+        """Fail every pending operation of the group at once, and every later one (local).
+
+        MPI cannot cancel a collective: the operations' buffers stay referenced
+        and the communicators are left as they are. Ending the job (an uncaught
+        error does, see mpidp.runtime) is the way on from here.
+        """
+        if self._aborted is None:
+            self._aborted = "abort() was called"
+        _progress.abort(self, dist.DistBackendError(f"mpidp: {self!r} was aborted"))
 
 
 def _gather_call(output, tensor, pool, nonblocking):

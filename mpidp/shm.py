@@ -47,22 +47,26 @@ _BLOCK_BYTES = 256 << 10  # a block summed at a time: fits L2 with its sources
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # summed in float32
 
 
-_WORLD_NODES: dict[int, "Node"] = {}  # MPIDP_SHM_NODE_SIZE -> COMM_WORLD's Node, kept
+_WORLD_NODES: dict[int, "Node"] = {}  # MPIDP_SHM_NODE_SIZE -> COMM_WORLD's grouping, kept
 
 
-def node_of(comm: MPI.Intracomm) -> tuple["Node", bool]:
-    """(the Node of ``comm``, whether the caller owns it and must ``free`` it). Collective.
+def node_of(comm: MPI.Intracomm) -> "Node":
+    """A Node of ``comm`` that belongs to the caller alone (collective; the caller frees it).
 
-    COMM_WORLD's is made once and kept for the process: a program that wraps
-    many models (each DDP is collective over its communicator) makes its
-    communicators once.
+    Rule: a Node's two communicators carry the barriers and cross-node sums of
+    one owner (one DDP, reduced by one thread at a time). Two DDPs reducing in
+    the same backward from two threads (``overlap="thread"``) must never share
+    them, or one DDP's barrier matches the other's on a peer and a rank sums a
+    slice its peer has not written yet. COMM_WORLD's grouping (the ``Split``,
+    which needs an allgather) is made once per process and kept; each owner
+    gets duplicates of it, which is cheaper than grouping again.
     """
     if comm != MPI.COMM_WORLD:
-        return Node(comm), True
+        return Node(comm)
     forced = int(_env.number("MPIDP_SHM_NODE_SIZE", 0, integer=True))
     if forced not in _WORLD_NODES:
         _WORLD_NODES[forced] = Node(comm)
-    return _WORLD_NODES[forced], False
+    return _WORLD_NODES[forced].duplicate()
 
 
 class Node:
@@ -88,6 +92,13 @@ class Node:
         self.reason = ("" if self.usable else
                        "one rank per node" if len(set(sizes)) == 1 else
                        f"nodes hold different numbers of ranks ({sorted(set(sizes))})")
+
+    def duplicate(self) -> "Node":
+        """The same grouping on fresh communicators (collective over the grouped ranks)."""
+        twin = Node.__new__(Node)
+        twin.__dict__.update(self.__dict__)
+        twin.node, twin.cross = self.node.Dup(), self.cross.Dup()
+        return twin
 
     def allocate(self, nbytes: int) -> "Window | None":
         """A segment of ``nbytes`` per local rank, all in one shared mapping (collective).
@@ -175,8 +186,13 @@ class Window:
         return self._regions[key]
 
     def _fence(self, label) -> None:
-        # MPI's barrier orders memory as well: its shared-memory implementations
-        # publish their arrival with release atomics and wait with acquire ones.
+        # The barrier orders memory as well as time. The MPI standard promises that
+        # only for windows from MPI_Win_allocate_shared (with MPI_Win_sync); this
+        # mapping is plain mmap memory because its lifetime must follow the tensors
+        # on it (gradients that are bucket views outlive a DDP), while a window is
+        # freed collectively. It relies on what MPICH, Open MPI and Intel MPI do:
+        # their shared-memory barriers publish arrival with release atomics and
+        # wait with acquire ones, so writes before the barrier are seen after it.
         slot = _watchdog.begin(label)
         try:
             self.node.node.Barrier()

@@ -30,6 +30,7 @@ MPI_FILES = [
     ("tests/mpi/check_zero.py", [2, 3]),  # 4 ranks: zero_reshard.py
     ("tests/mpi/check_hooks.py", [2, 3]),
     ("tests/mpi/check_shm.py", [2, 3]),  # 4: test_shared_memory_across_nodes
+    ("tests/mpi/check_engine.py", [2, 3]),
 ]
 
 
@@ -85,6 +86,27 @@ def test_uncaught_exception_on_one_rank_ends_the_job(nprocs):
     assert f"[mpidp rank 1/{nprocs}] ValueError: boom from rank 1" in result.stderr
     assert "passed a barrier" not in result.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("mode", ["timeout", "watchdog"])
+def test_torch_ddp_over_mpidp_with_a_skipped_step_ends_the_job(mode):
+    """A rank skips a step of torch's DDP over "mpidp": the group's timeout (4 s) fails the
+    future DDP waits on, or the watchdog (MPIDP_TIMEOUT=4) sees the pending Work; either
+    way the job ends with a message that names the all_reduce, never hangs."""
+    start = time.time()
+    result = launch.run(2, ["tests/mpi/backend_stall.py", mode], timeout=120, check=False,
+                        env={"MPIDP_TIMEOUT": "4" if mode == "watchdog" else "0"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert "without the skipped step being noticed" not in output
+    stalled = [float(part.split()[0].rstrip("rank")) for part in output.split(" stalls at ")[1:]]
+    if mode == "timeout":
+        assert "did not complete within the group's timeout of 4 s" in output, output[-4000:]
+    else:
+        assert "stall" in output and "allreduce" in output, output[-4000:]
+    assert stalled, output[-4000:]
+    print(f"{mode}: exit {result.returncode} {time.time() - min(stalled):.1f} s after the stall "
+          f"({time.time() - start:.1f} s in all)")
 
 
 # -- the stall watchdog (mpidp.watchdog): tests/mpi/stall.py hangs on purpose ------------

@@ -1,0 +1,150 @@
+"""Two of everything at once: the concurrency rules of docs/concurrency.md under load.
+
+Run on every rank under mpiexec (tests/test_mpi.py, 2 and 3 ranks). Schedules are
+randomized with seeds fixed per test (the same on every rank where the order
+must agree, per rank where it may differ), so a failure can be run again.
+"""
+
+import copy
+import datetime
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch import nn
+
+import mpidp
+from mpidp import work as _work
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def backend():
+    mpidp.init_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+def _gan():
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    d = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    return g, d
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+@pytest.mark.parametrize("overlap", ["inline", "thread", "nonblocking"])
+def test_two_ddps_in_one_backward_equal_one_process(overlap, shared_memory):
+    """A GAN step, loss = D(G(z)): two DDPs reduce in the same backward (issue 17, item 1)."""
+    if shared_memory and SIZE == 1:
+        pytest.skip("shared memory needs two ranks")
+    g, d = _gan()
+    g0, d0 = copy.deepcopy(g), copy.deepcopy(d)
+    z = torch.randn(4 * SIZE, 16, generator=torch.Generator().manual_seed(1))
+    d0(g0(z)).mean().backward()
+    expected = [p.grad for p in [*g0.parameters(), *d0.parameters()]]
+    options = dict(overlap=overlap, bucket_cap_mb=0.002, shared_memory=shared_memory)
+    with mpidp.DistributedDataParallel(g, **options) as dg, \
+            mpidp.DistributedDataParallel(d, **options) as dd:
+        for _ in range(12):
+            for p in [*g.parameters(), *d.parameters()]:
+                p.grad = None
+            dd(dg(z[RANK * 4:(RANK + 1) * 4])).mean().backward()
+            for p, want in zip([*g.parameters(), *d.parameters()], expected):
+                torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_async_chunked_allreduces_on_two_groups_in_any_wait_order():
+    """Two groups over the same ranks, large async all_reduces, waits in a per-rank random
+    order (issue 17, item 2: one rank's progress thread blocked in one group's chunks while
+    it owed a peer the other's)."""
+    other = dist.new_group(list(range(SIZE)))
+    rng = random.Random(100 + RANK)  # per rank: the order of waits may differ
+    numel = (4 << 20) // 4 + 1000  # above the default 4 MiB chunk: chunked
+    for round_ in range(12):
+        tensors = [torch.full((numel,), float(RANK + k)) for k in range(3)]
+        works = [dist.all_reduce(t, group=[None, other][k % 2], async_op=True)
+                 for k, t in enumerate(tensors)]
+        rng.shuffle(works)
+        for w in works:
+            w.wait()
+        for k, t in enumerate(tensors):
+            assert t[0].item() == t[-1].item() == sum(r + k for r in range(SIZE)), round_
+    dist.destroy_process_group(other)
+
+
+def test_chunked_allreduce_takes_one_path_whatever_the_layout():
+    """A non-contiguous tensor on some ranks only: the size alone picks the chunked path."""
+    numel = (4 << 20) // 4 + 64
+    base = torch.full((2, numel), float(RANK + 1))
+    tensor = base[0] if RANK % 2 == 0 else base.t().contiguous().t()[0]
+    assert tensor.is_contiguous() == (RANK % 2 == 0)
+    dist.all_reduce(tensor)
+    assert torch.all(tensor == SIZE * (SIZE + 1) / 2)
+
+
+def test_group_timeout_fails_wait_and_future_with_torch_error():
+    """One rank is late past the group's timeout (issue 17, item 4): wait() raises
+    DistBackendError after the timeout, not never; the late call then matches."""
+    group = dist.new_group(list(range(SIZE)), timeout=datetime.timedelta(seconds=2))
+    tensor = torch.ones(8)
+    if RANK == 0 and SIZE > 1:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        start = time.monotonic()
+        with pytest.raises(dist.DistBackendError, match="timeout of 2 s"):
+            work.wait()
+        assert 1.5 < time.monotonic() - start < 6
+        with pytest.raises(dist.DistBackendError):
+            work.get_future().wait()
+        with pytest.raises(dist.DistBackendError, match="timeout of 2 s"):
+            dist.all_reduce(torch.ones(8), group=group)  # blocking form
+    else:
+        time.sleep(5 if SIZE > 1 else 0)
+        dist.all_reduce(tensor, group=group)  # matches rank 0's abandoned call
+        if SIZE > 1:
+            dist.all_reduce(torch.ones(8), group=group)  # and its blocking one
+    MPI.COMM_WORLD.Barrier()
+
+
+def test_abort_fails_pending_and_later_operations():
+    group = dist.new_group(list(range(SIZE)))
+    backend = group  # torch hands out the ProcessGroupMPIDP itself
+    assert isinstance(backend, mpidp.process_group.ProcessGroupMPIDP)
+    if SIZE > 1 and RANK == 0:
+        work = dist.all_reduce(torch.ones(4), group=group, async_op=True)
+        backend.abort()
+        with pytest.raises(dist.DistBackendError, match="aborted"):
+            work.wait()
+        with pytest.raises(dist.DistBackendError, match="aborted"):
+            dist.all_reduce(torch.ones(4), group=group)
+    elif SIZE > 1:
+        dist.all_reduce(torch.ones(4), group=group)  # matches rank 0's aborted call
+    MPI.COMM_WORLD.Barrier()
+
+
+def test_blocking_results_stay_per_thread():
+    """The reused completed Work of blocking calls is one per thread."""
+    import threading
+    seen = {}
+
+    def call(name):
+        seen[name] = _work.blocking([name])
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen[0].result() == [0] and seen[1].result() == [1]
+
+
+def test_mpi_failure_names_the_call_and_the_way_on():
+    error = mpidp.errors.mpi_failure("allreduce op=sum dtype=float32 count=10",
+                                     MPI.Exception(MPI.ERR_TRUNCATE))
+    text = str(error)
+    assert "allreduce op=sum dtype=float32 count=10" in text and "MPIDP_DEBUG=1" in text
+    assert isinstance(error, RuntimeError)
