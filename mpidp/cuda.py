@@ -112,27 +112,17 @@ def _probe() -> bool:
 
 @functools.cache
 def decision() -> Decision:
-    """The start-up decision (one allgather on ``MPI.COMM_WORLD``, on every rank alike).
-
-    Every rank takes part, GPU or not: a node where no GPU is visible must not
-    leave the others waiting in the probe's allreduce. The probe runs only
-    where every rank would run it; otherwise device memory is staged through
-    the host everywhere it exists.
-    """
+    """The start-up decision (collective on ``MPI.COMM_WORLD`` when a GPU is visible)."""
     runtime.require_mpi()
     has_gpu = torch.cuda.is_available()
     override = _env.flag("MPIDP_CUDA_AWARE", None)  # any accepted spelling, normalised for decide
-    override = None if override is None else str(int(override))
-    reported = library_reports_cuda() if has_gpu else None
-    states = MPI.COMM_WORLD.allgather((override, has_gpu, reported))
-    overrides = sorted({str(state[0]) for state in states})
-    if len(overrides) > 1:
-        raise ValueError(f"MPIDP_CUDA_AWARE must be set alike on every rank, got "
-                         f"{', '.join(overrides)} (None: unset)")
-    if override is None and has_gpu and reported and not all(g and r for _, g, r in states):
-        return Decision(False, "not every rank sees a GPU and a CUDA-aware MPI library; host "
-                               "staging everywhere")
-    return decide(override, has_gpu, reported, _probe)
+    result = decide(None if override is None else str(int(override)), has_gpu,
+                    library_reports_cuda() if has_gpu else None, _probe)
+    if has_gpu:  # every rank must agree, whatever each one saw
+        agreed = MPI.COMM_WORLD.allreduce(int(result.cuda_aware), op=MPI.MIN)
+        if bool(agreed) != result.cuda_aware:
+            result = Decision(False, "ranks disagreed about CUDA support; host staging everywhere")
+    return result
 
 
 def cuda_aware() -> bool:
