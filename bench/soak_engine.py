@@ -1,14 +1,19 @@
-"""Soak the concurrency rules: run tests/mpi/check_engine.py N times at 2-4 ranks.
+"""Soak the concurrency rules: tests/mpi/check_engine.py and the race schedules, many times.
 
-    python bench/soak_engine.py --runs 200 [--timeout 240]
+    python bench/soak_engine.py --launches 12 --seeds-per-launch 20 [--sizes 2,3,4]
 
-Each run is a fresh mpiexec job; a run that fails is a wrong result (or an error), a
-run past --timeout a hang. Prints one line per run and the totals; exits non-zero
-if any run failed or hung.
+Each launch is a fresh mpiexec job of the whole of tests/mpi/check_engine.py with a
+fresh block of race-schedule seeds (tests/mpi/races.py), at 2, 3 and 4 ranks in turn;
+a failed launch is a wrong result (or an error), one past --timeout a hang. After
+every third launch one schedule runs with a rank raising mid-round
+(``races.py SEED --raise-at RANK:ROUND``): that job must end, non-zero, with the
+rank's error, within --timeout. Prints one line per job and the totals; exits
+non-zero on any wrong result, hang, or raise that did not end the job.
 """
 
 import argparse
 import itertools
+import random
 import sys
 import time
 from pathlib import Path
@@ -19,28 +24,50 @@ import launch  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--launches", type=int, default=12)
+    parser.add_argument("--seeds-per-launch", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=1000)
+    parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--sizes", default="2,3,4")
     args = parser.parse_args()
     sizes = itertools.cycle(int(n) for n in args.sizes.split(","))
-    failed = hung = 0
+    failed = hung = schedules = raised = unended = 0
     start = time.time()
-    for run, nprocs in zip(range(args.runs), sizes):
+    seed = args.first_seed
+    for launch_index, nprocs in zip(range(args.launches), sizes):
+        seeds = list(range(seed, seed + args.seeds_per_launch))
+        seed += args.seeds_per_launch
         begin = time.time()
         try:
-            launch.run_pytest(nprocs, "tests/mpi/check_engine.py", args.timeout)
+            launch.run_pytest(nprocs, "tests/mpi/check_engine.py", args.timeout,
+                              env={"RACE_SEEDS": ",".join(map(str, seeds))})
             outcome = "ok"
+            schedules += len(seeds)
         except AssertionError as error:
             hang = "did not finish" in str(error)
             hung += hang
             failed += not hang
             outcome = "HANG" if hang else "FAILED"
-            print(str(error)[-2000:], file=sys.stderr)
-        print(f"run {run + 1}/{args.runs}: {nprocs} ranks {outcome} ({time.time() - begin:.1f} s)",
-              flush=True)
-    print(f"{args.runs} runs in {time.time() - start:.0f} s: {failed} failed, {hung} hung")
-    return 1 if failed or hung else 0
+            print(str(error)[-3000:], file=sys.stderr)
+        print(f"launch {launch_index + 1}/{args.launches}: {nprocs} ranks, seeds {seeds[0]}-"
+              f"{seeds[-1]}: {outcome} ({time.time() - begin:.1f} s)", flush=True)
+        if launch_index % 3 == 2:
+            draw = random.Random(seeds[0])
+            victim, round_ = draw.randrange(nprocs), draw.randrange(6)
+            begin = time.time()
+            result = launch.run(nprocs, ["tests/mpi/races.py", str(seeds[0]), "--raise-at",
+                                         f"{victim}:{round_}"], args.timeout, check=False)
+            ended = result.returncode != 0 and f"rank {victim} raises in round {round_}" in \
+                result.stdout + result.stderr
+            raised += 1
+            unended += not ended
+            print(f"  raise on rank {victim} in round {round_} of seed {seeds[0]}: "
+                  f"{'ended the job' if ended else 'DID NOT END THE JOB'} "
+                  f"(exit {result.returncode}, {time.time() - begin:.1f} s)", flush=True)
+    print(f"{args.launches} launches, {schedules} race schedules passed, in "
+          f"{time.time() - start:.0f} s: {failed} launches wrong, {hung} hung; "
+          f"{raised - unended} of {raised} raising runs ended the job")
+    return 1 if failed or hung or unended else 0
 
 
 if __name__ == "__main__":

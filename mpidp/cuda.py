@@ -9,7 +9,10 @@ The decision is made once, at import, and is the same on every rank:
    a library that says no, or says nothing, gets host staging: handing device
    pointers to a library that cannot read them would crash the job;
 4. a library that says yes is checked by a small device allreduce against the
-   expected sum, and every rank must pass (an allreduce of the verdicts).
+   expected sum, and every rank must pass (an allreduce of the verdicts);
+5. every rank's facts are gathered first (``agree``): the probe runs only when
+   every rank would run it, and ``MPIDP_CUDA_AWARE`` set on some ranks only is
+   an error on every rank.
 
 ``MPIDP_STAGE_CPU=1`` sends CPU tensors through the staging path too; the test
 suite uses it to exercise staging where no GPU exists.
@@ -30,7 +33,7 @@ from mpi4py import MPI
 
 from . import _env, runtime
 
-__all__ = ["Decision", "decide", "library_reports_cuda", "decision", "cuda_aware", "local_device"]
+__all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "library_reports_cuda", "local_device"]
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 
@@ -110,19 +113,42 @@ def _probe() -> bool:
     return bool(comm.allreduce(int(ok), op=MPI.MIN))
 
 
+def agree(states: list[tuple], rank: int, probe) -> Decision:
+    """The decision of ``rank`` from every rank's ``(override, has_gpu, reported)``.
+
+    Every rank calls this with the same gathered states, so every rank takes the
+    same branch: the probe (a collective) runs on all ranks or on none. It runs
+    only where every rank sees a GPU and a library that claims CUDA support; a
+    job where only some do stages device memory through the host everywhere.
+    """
+    overrides = sorted({str(state[0]) for state in states})
+    if len(overrides) > 1:
+        raise ValueError(f"MPIDP_CUDA_AWARE must be set alike on every rank, got "
+                         f"{', '.join(overrides)} (None: unset)")
+    override, has_gpu, reported = states[rank]
+    claims = [bool(gpu and said) for _, gpu, said in states]
+    if override is None and any(claims) and not all(claims):
+        return Decision(False, "not every rank sees a GPU and a CUDA-aware MPI library; host "
+                               "staging everywhere")
+    return decide(override, has_gpu, reported, probe)
+
+
 @functools.cache
 def decision() -> Decision:
-    """The start-up decision (collective on ``MPI.COMM_WORLD`` when a GPU is visible)."""
+    """The start-up decision: one allgather on ``MPI.COMM_WORLD``, on every rank alike.
+
+    Every rank takes part, GPU or not, and ``_start_up`` makes it at import on
+    every rank, so later calls (``python -m mpidp info`` on rank 0, the first
+    staged transfer) only read the cached answer. A node where no GPU is visible
+    must not leave the others waiting in the probe's allreduce (``agree``).
+    """
     runtime.require_mpi()
     has_gpu = torch.cuda.is_available()
     override = _env.flag("MPIDP_CUDA_AWARE", None)  # any accepted spelling, normalised for decide
-    result = decide(None if override is None else str(int(override)), has_gpu,
-                    library_reports_cuda() if has_gpu else None, _probe)
-    if has_gpu:  # every rank must agree, whatever each one saw
-        agreed = MPI.COMM_WORLD.allreduce(int(result.cuda_aware), op=MPI.MIN)
-        if bool(agreed) != result.cuda_aware:
-            result = Decision(False, "ranks disagreed about CUDA support; host staging everywhere")
-    return result
+    override = None if override is None else str(int(override))
+    reported = library_reports_cuda() if has_gpu else None
+    states = MPI.COMM_WORLD.allgather((override, has_gpu, reported))
+    return agree(states, MPI.COMM_WORLD.Get_rank(), _probe)
 
 
 def cuda_aware() -> bool:
@@ -138,4 +164,4 @@ def stage_cpu() -> bool:
 def _start_up() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_device())  # each rank uses the GPU of its local rank
-        decision()
+    decision()  # collective on every rank, GPU or not; cached for every later call

@@ -119,6 +119,15 @@ def first_mismatch(signatures: list[list[tuple]]) -> str | None:
     return None
 
 
+def _watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
+    """``comm.allgather(obj)``, named ``label`` in the stall watchdog's reports."""
+    slot = _watchdog.begin(label)
+    try:
+        return comm.allgather(obj)
+    finally:
+        slot.current = None
+
+
 def _check_flag(name: str, value, optional: bool = False) -> None:
     if not isinstance(value, bool) and not (optional and value is None):
         raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r}")
@@ -156,7 +165,9 @@ class DistributedDataParallel(nn.Module):
     like the model, and after ``loss.backward()`` every ``param.grad`` holds the
     average over all ranks, so any optimizer works unchanged. Construction,
     ``close()`` and conversions through the wrapper (``ddp.to(...)``,
-    ``ddp.double()``) are collective.
+    ``ddp.double()``) are collective: every rank must convert the wrapped model
+    alike, or the rank that converts alone waits in the conversion's check
+    (the stall watchdog names it "module conversion").
 
     Torch's arguments:
         module: the model; identical on every rank (names, shapes, dtypes are checked).
@@ -468,7 +479,7 @@ class DistributedDataParallel(nn.Module):
             problem = ("register_comm_hook must be called before the first backward (as torch "
                        "requires): buckets were already reduced another way")
         name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
-        reports = self.control.allgather((name, problem))
+        reports = _watched_allgather(self.control, (name, problem), "register_comm_hook's check")
         names = {rank: report[0] for rank, report in enumerate(reports)}
         problems = [report[1] for report in reports if report[1] is not None]
         if problems:
@@ -535,6 +546,11 @@ class DistributedDataParallel(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(), .double(), .half(), .cuda() ... on the wrapper: rebuild the
         # buckets for the parameters' new dtype or device, on every rank alike.
+        # Collective, so every rank must convert: a conversion that stayed local
+        # would let the next step reduce float64 buckets against float32 ones
+        # without an error, and checking that at every forward would cost a
+        # collective per step. A rank that converts alone waits in the
+        # allgather below, which the stall watchdog reports.
         if getattr(self, "_sink", None) is not None:
             raise RuntimeError(
                 "DistributedDataParallel: the module cannot be converted (.to(), .double()...) "
@@ -546,7 +562,11 @@ class DistributedDataParallel(nn.Module):
             self.reducer.settle()
             device = next(p for _, p in self._named_params(self.module)).device
             settings = self._settings(device)
-            mismatch = first_mismatch(self.control.allgather(_signature(self.module, settings)))
+            signatures = _watched_allgather(
+                self.control, _signature(self.module, settings),
+                "module conversion (.to(), .double()...: every rank must convert the DDP wrapper), "
+                "its model check")
+            mismatch = first_mismatch(signatures)
             if mismatch is not None:
                 raise ValueError(f"DistributedDataParallel: after converting the module, it "
                                  f"differs across ranks: {mismatch}")

@@ -58,6 +58,7 @@ from torch.distributed import ReduceOp
 
 from . import _env
 from . import comm as _comm
+from . import cuda as _cuda
 from . import runtime as _runtime
 from . import work as _work
 
@@ -407,11 +408,24 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         # large tensor (one DDP bucket may hold 100 MB) in chunks, one after the other,
         # as mpidp.DistributedDataParallel does (4 MiB measured best there), on the
         # group's chunk communicator (mpidp.work, rule 3). The size alone decides, so
-        # every rank takes the same path; a non-contiguous tensor goes through a copy.
+        # every rank takes the same path. The tensor is staged once (rule 6 of mpidp.work):
+        # device memory the library cannot read is copied to pinned host memory by the
+        # progress thread on a side stream ordered after the caller's (an event, so the
+        # caller, often autograd's thread, returns at once); otherwise comm._stage on the
+        # calling thread (a non-contiguous tensor through a contiguous copy). Chunks then
+        # move host memory only; the copy back runs in finish, and wait() orders the
+        # waiting stream after it (Work._record_events).
         self._check_usable()
-        staged = tensor if tensor.is_contiguous() else tensor.contiguous()
-        finish = None if staged is tensor else (lambda: tensor.copy_(staged))
-        chunks = _work.Chunks(staged, op, self._chunk_comm, _CHUNK_BYTES)
+        if tensor.is_cuda and not _cuda.cuda_aware() and self._async:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+            chunks = _work.Chunks(host, op, self._chunk_comm, _CHUNK_BYTES,
+                                  stage_from=(tensor, ready))
+            finish = lambda: tensor.copy_(host, non_blocking=True)  # noqa: E731
+        else:
+            _, (staged,), finish = _comm._stage((tensor,), (tensor,))
+            chunks = _work.Chunks(staged, op, self._chunk_comm, _CHUNK_BYTES)
         if not self._async:
             chunks.run()
             if finish is not None:

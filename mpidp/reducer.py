@@ -39,17 +39,20 @@ step with its communicators lined up.
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 import dataclasses
 import functools
 import itertools
 import time
+import traceback
 from collections.abc import Sequence
 
 import torch
 
 from . import comm as _comm
 from . import overlap as _overlap
+from . import runtime
 from . import shm as _shm
 from . import sparse as _sparse
 from . import watchdog as _watchdog
@@ -556,11 +559,37 @@ class Reducer:
         return 1
 
     def _launch(self, bucket: Bucket) -> None:
-        self.strategy.start(bucket.buffer, bucket.divisor)
+        with self._fatal_on_error():
+            self.strategy.start(bucket.buffer, bucket.divisor)
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self):
+        """Abort the job when the strategy's own reduction raises (more than one rank).
+
+        Raising is not enough: the other ranks are waiting in the bucket
+        collectives this rank was issuing (under "thread" the thread also skips
+        every later bucket), and whether the failed call had issued its own
+        cannot be known, so no later collective can line the ranks up again.
+        Seen before this rule, one rank's reduction raising once and caught:
+        the other ranks hung under every strategy, or (under "thread", when
+        they went on too) one step's buckets met the next step's and the
+        models silently diverged (tests/mpi/reduction_fails_on_one_rank.py).
+        """
+        try:
+            yield
+        except Exception as error:
+            if self.world == 1:
+                raise
+            why = (f"DistributedDataParallel: the gradient reduction of step {self._steps} "
+                   f"failed on this rank while the other ranks wait in its collectives; "
+                   f"aborting the MPI job. Traceback:")
+            runtime._abort([f"{type(error).__name__}: {error}", why,
+                            "".join(traceback.format_exception(error))], 1)
 
     def _drain(self) -> None:
         """Wait for every reduction of the step: the strategy's, and the hook's futures."""
-        self.strategy.finish()
+        with self._fatal_on_error():
+            self.strategy.finish()
         futures, self._futures = self._futures, []
         for bucket, future in futures:
             value = future.wait()
@@ -799,7 +828,8 @@ class ShardedReducer(Reducer):
         shards = bucket.shards
         pairs = [(bucket.buffer[start:stop], target[position:position + (stop - start) // self.world])
                  for (start, stop), (_, _, position) in zip(shards.chunks, shards.blocks(0))]
-        self.strategy.start(bucket.buffer, 1, pairs)
+        with self._fatal_on_error():
+            self.strategy.start(bucket.buffer, 1, pairs)
         if isinstance(self.strategy, _overlap.Blocking):
             self._release(bucket)  # reduced already: the buffer can serve the next bucket
 

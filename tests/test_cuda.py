@@ -3,7 +3,7 @@
 import pytest
 
 import mpidp
-from mpidp.cuda import Decision, decide, library_reports_cuda
+from mpidp.cuda import Decision, agree, decide, library_reports_cuda
 
 
 def never(): raise AssertionError("the probe must not run here")  # noqa: E704
@@ -26,6 +26,20 @@ def test_a_library_that_claims_support_must_pass_the_probe():
     assert decide(None, True, True, lambda: True).cuda_aware is True
     failed = decide(None, True, True, lambda: False)
     assert failed.cuda_aware is False and "wrong answer" in failed.reason
+
+
+def test_the_probe_runs_on_every_rank_or_on_none():
+    both = [(None, True, True), (None, True, True)]
+    assert agree(both, 1, lambda: True).cuda_aware is True
+    # a node with no GPU (or a library that says no) on one rank: nobody probes
+    for mixed in ([(None, True, True), (None, False, None)], [(None, True, True), (None, True, False)]):
+        for rank in (0, 1):
+            result = agree(mixed, rank, never)
+            assert result.cuda_aware is False and "not every rank" in result.reason
+    assert agree([(None, False, None)] * 2, 0, never).reason == "no GPU visible to torch"
+    assert agree([("1", False, None), ("1", True, True)], 0, never).cuda_aware is True
+    with pytest.raises(ValueError, match="MPIDP_CUDA_AWARE must be set alike on every rank, got 1, None"):
+        agree([("1", True, True), (None, True, True)], 1, never)
 
 
 def test_this_machine():

@@ -78,6 +78,51 @@ def test_ddp_under_mpi_thread_serialized_picks_legal_strategies(nprocs):
     assert "thread level checks passed" in out
 
 
+def test_a_rank_raising_in_a_race_schedule_ends_the_job():
+    """Rank 1 raises mid-round with async all_reduces in flight and its peers inside DDP's
+    and the backend's collectives (tests/mpi/races.py): the job ends with its error."""
+    start = time.monotonic()
+    result = launch.run(3, ["tests/mpi/races.py", "5", "--raise-at", "1:2"], timeout=120,
+                        check=False)
+    assert result.returncode != 0
+    assert "[mpidp rank 1/3] RuntimeError: race schedule 5: rank 1 raises in round 2" in \
+        result.stderr, result.stderr[-4000:]
+    print(f"ended {time.monotonic() - start:.1f} s after launch")
+
+
+@pytest.mark.parametrize("overlap,nprocs", [("inline", 2), ("thread", 3), ("nonblocking", 2)])
+def test_a_bucket_reduction_failing_on_one_rank_ends_the_job(overlap, nprocs):
+    """The other ranks wait in collectives the failing rank will not issue: catching the
+    error cannot line them up again, so mpidp ends the job, naming it (issue 17)."""
+    start = time.monotonic()
+    result = launch.run(nprocs, ["tests/mpi/reduction_fails_on_one_rank.py", overlap],
+                        timeout=90, check=False)
+    assert result.returncode != 0
+    assert f"[mpidp rank 1/{nprocs}]" in result.stderr, result.stderr[-4000:]
+    assert "the gradient reduction of step 3 failed on this rank" in result.stderr
+    assert "finished every step" not in result.stdout
+    print(f"{overlap}: ended {time.monotonic() - start:.1f} s after launch")
+
+
+def test_a_conversion_on_one_rank_is_named_by_the_watchdog():
+    """ddp.double() on rank 0 alone: its model check waits, and the watchdog names it."""
+    result = launch.run(2, ["tests/mpi/convert_one_rank.py"], timeout=120, check=False,
+                        env={"MPIDP_TIMEOUT": "4"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "waiting in module conversion" in output, output[-4000:]
+    assert "went on past a conversion" not in output
+
+
+def test_import_where_only_some_ranks_see_a_gpu():
+    """cuda.decision() runs on every rank, GPU or not: a rank without one does not hang the
+    others' import, and every rank decides alike."""
+    if not torch.cuda.is_available() and os.environ.get("MPIDP_TEST_GPU") != "1":
+        pytest.skip("no GPU (MPIDP_TEST_GPU=1 turns this into a failure)")
+    out = launch.run(2, ["tests/mpi/gpu_on_some_ranks.py"], timeout=120).stdout
+    assert "rank 1: gpu False" in out and "rank 0: gpu True" in out, out
+
+
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_uncaught_exception_on_one_rank_ends_the_job(nprocs):
     start = time.monotonic()

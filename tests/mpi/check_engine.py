@@ -7,6 +7,7 @@ must agree, per rank where it may differ), so a failure can be run again.
 
 import copy
 import datetime
+import os
 import random
 import time
 
@@ -17,6 +18,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
+import races
 from mpidp import work as _work
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -56,6 +58,23 @@ def test_two_ddps_in_one_backward_equal_one_process(overlap, shared_memory):
             dd(dg(z[RANK * 4:(RANK + 1) * 4])).mean().backward()
             for p, want in zip([*g.parameters(), *d.parameters()], expected):
                 torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    made = races.make_groups()
+    yield made
+    for group in made[1:]:
+        dist.destroy_process_group(group)
+
+
+RACE_SEEDS = os.environ.get("RACE_SEEDS", ",".join(map(str, range(1, 21))))
+
+
+@pytest.mark.parametrize("seed", [int(seed) for seed in RACE_SEEDS.split(",")])
+def test_schedule(seed, groups):
+    """A randomized schedule (tests/mpi/races.py): DDPs, ZeRO and backend groups at once."""
+    print(races.run(seed, groups))
 
 
 def test_async_chunked_allreduces_on_two_groups_in_any_wait_order():

@@ -244,6 +244,36 @@ def test_backend_collectives_on_device_tensors(group):
     assert root.cpu().tolist() == [float(SIZE - 1)] * 4
 
 
+@pytest.mark.parametrize("numel", [1 << 18, 1 << 21], ids=["whole", "chunked"])
+def test_async_result_waited_on_a_side_stream_is_the_sum(group, numel):
+    """The progress thread copies a staged result back on its own stream; wait() under
+    another stream must order that stream after the copy (torch's Work contract).
+
+    The default stream is kept busy, so the progress thread's copy-back (on that stream)
+    is still queued when wait() returns: a read on the side stream that does not wait
+    for it sees the rank's own values instead of the sum (the old code did)."""
+    import time
+
+    import torch.distributed as dist
+    tensor = torch.full((numel,), float(RANK + 1), device=DEVICE)
+    torch.cuda.synchronize(DEVICE)
+    side = torch.cuda.Stream(DEVICE)
+    with torch.cuda.stream(side):
+        work = dist.all_reduce(tensor, async_op=True)  # staged: copied to the host now
+    torch.cuda._sleep(int(4e9))  # about two seconds of spinning queued on the default stream
+    until = time.monotonic() + 1.0
+    while not work.is_completed() and time.monotonic() < until:
+        time.sleep(0.01)
+    # the conditions of the race: done by the progress thread, its copy-back still queued
+    assert work.is_completed() and not torch.cuda.default_stream(DEVICE).query()
+    with torch.cuda.stream(side):
+        work.wait()
+        seen = tensor.clone()
+    side.synchronize()
+    torch.cuda.synchronize(DEVICE)
+    assert torch.all(seen == SIZE * (SIZE + 1) / 2).item(), seen[:4].tolist()
+
+
 def test_torch_ddp_on_the_gpu_over_mpidp_matches_mpidp_ddp_on_the_cpu(group):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
     cpu, gpu = twin(mlp64)

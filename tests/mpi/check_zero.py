@@ -7,6 +7,7 @@ summation order of a reduce-scatter and an allreduce at 3 and 4 ranks.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -829,6 +830,87 @@ def test_torch_checks_failing_on_rank_1_only_raise_everywhere():
     with pytest.raises(ValueError, match=r"more than one parameter group.*found on rank\(s\) \[1\]"):
         opt.add_param_group({"params": extra})
     assert len(opt.param_groups) == 1  # taken back on every rank
+    assert_alive()
+
+
+class InnerFailure(RuntimeError):
+    """An error of a type the other ranks may not know (defined in a test)."""
+
+
+def fail_once(optimizer, method: str) -> None:
+    """Make ``optimizer.method`` raise once, on this rank."""
+    def raising(*args, **kwargs):
+        delattr(optimizer, method)
+        raise InnerFailure(f"injected failure of {method}")
+
+    setattr(optimizer, method, raising)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_step_failing_on_rank_1_only_raises_everywhere_and_training_goes_on(stage):
+    """Raised before the parameter allgathers, it left the other ranks waiting in them."""
+    _, ddp, opt = train(mlp, stage, "adam", steps=2, keep=True)
+    opt.zero_grad()
+    loss_on(ddp, 2).backward()
+    if RANK == 1:
+        fail_once(opt.optim, "step")
+    with pytest.raises(RuntimeError, match=r"InnerFailure: injected failure of step "
+                                           r"\(found on rank\(s\) \[1\]\)"):
+        opt.step()
+    for step in range(3, 5):
+        plain_step(ddp, opt, step, stage)
+    weight = ddp.module[0].weight.detach()
+    high, low = weight.clone(), weight.clone()
+    mpidp.comm.allreduce(high, "max")
+    mpidp.comm.allreduce(low, "min")
+    assert torch.equal(high, low)  # the same model on every rank
+    ddp.close()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+def test_the_inner_load_state_dict_failing_on_rank_1_only_raises_everywhere():
+    """It ran after the agreement: rank 1 raised, the others loaded and went on."""
+    _, ddp, opt = train(mlp, 1, "adam", steps=2, keep=True)
+    opt.consolidate_state_dict(0)
+    saved = MPI.COMM_WORLD.bcast(opt.state_dict() if RANK == 0 else None, root=0)
+    before = opt.optim.state_dict()
+    kept = {k: {n: v.clone() for n, v in s.items()} for k, s in before["state"].items()}
+    if RANK == 1:
+        fail_once(opt.optim, "load_state_dict")
+    saved["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(RuntimeError, match=r"injected failure of load_state_dict "
+                                           r"\(found on rank\(s\) \[1\]\)"):
+        opt.load_state_dict(saved)
+    after = opt.optim.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2 and opt.param_groups[0]["lr"] == 1e-2
+    assert after["state"].keys() == kept.keys()
+    for key, state in kept.items():  # every rank kept the state it had
+        for name, value in state.items():
+            assert torch.equal(after["state"][key][name], value), (key, name)
+    opt.load_state_dict(saved)  # and loading again works
+    assert opt.param_groups[0]["lr"] == 0.5
+    assert_alive()
+    ddp.close()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+def test_save_sharded_failing_on_rank_1_only_raises_everywhere(tmp_path_factory):
+    """A directory that is a file, then a file that is a directory, on rank 1 alone."""
+    opt = mpidp.ZeroRedundancyOptimizer(params_of(), torch.optim.SGD, lr=0.1)
+    base = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("zero")) if RANK == 0 else None)
+    blocked = os.path.join(base, f"blocked-{RANK}")
+    if RANK == 1:
+        open(blocked, "w").close()
+    with pytest.raises(FileExistsError, match=r"blocked-1.*found on rank\(s\) \[1\]"):
+        opt.save_sharded(blocked)
+    assert_alive()
+    directory = os.path.join(base, "save")
+    if RANK == 0:
+        os.makedirs(os.path.join(directory, f"zero-rank00001-of-{SIZE:05d}.pt"))
+    MPI.COMM_WORLD.Barrier()
+    with pytest.raises((OSError, RuntimeError), match=r"found on rank\(s\) \[1\]"):
+        opt.save_sharded(directory)
     assert_alive()
 
 
