@@ -57,11 +57,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import _env
-from . import cuda as _cuda
-from . import errors as _errors
-from . import runtime as _runtime
-from . import watchdog as _watchdog
+from .. import _env
+from .. import cuda as _cuda
+from .. import errors as _errors
+from .. import runtime as _runtime
+from .. import watchdog as _watchdog
 
 __all__ = [
     "OPS", "Handle", "Pool", "default_pool",
