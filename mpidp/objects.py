@@ -64,7 +64,7 @@ def _by_rank(errors: list) -> str:
 def _start(comm, name: str, **fields) -> MPI.Intracomm:
     """Take the communicator a call runs on (arguments already checked)."""
     mpi = _comm._collective_comm(comm)
-    if _comm._DEBUG:
+    if _comm.checks._DEBUG:
         _comm._check_same_call(mpi, name, False, **fields)
     return mpi
 

@@ -959,8 +959,8 @@ def test_all_to_all_single_splits_that_disagree_raise_on_every_rank():
 
 
 def test_debug_mode_size_mismatch_raises_on_every_rank():
-    saved = comm._DEBUG
-    comm._DEBUG = True
+    saved = comm.checks._DEBUG
+    comm.checks._DEBUG = True
     try:
         for async_op in (False, True):
             tensor = torch.ones(7 + (RANK == SIZE - 1))
@@ -974,5 +974,5 @@ def test_debug_mode_size_mismatch_raises_on_every_rank():
         work.wait()
         assert torch.equal(output, torch.arange(float(SIZE)).repeat_interleave(3))
     finally:
-        comm._DEBUG = saved
+        comm.checks._DEBUG = saved
     still_in_step()

@@ -225,7 +225,7 @@ def test_bad_tensors_and_arguments_are_clear_errors():
 
 @pytest.mark.skipif(SIZE < 2, reason="a cross-rank mismatch needs two ranks")
 def test_debug_mode_reports_mismatched_sizes_on_every_rank(monkeypatch):
-    monkeypatch.setattr(comm, "_DEBUG", True)
+    monkeypatch.setattr(comm.checks, "_DEBUG", True)
     with pytest.raises(ValueError, match=r"collective calls differ across ranks: rank 0 called "
                                          r"allreduce\(op='sum', dtype=float32, numel=3\); rank"):
         comm.allreduce(torch.ones(3 + min(RANK, 1)))

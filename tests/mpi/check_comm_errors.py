@@ -59,7 +59,7 @@ def target(request):
 
 @pytest.fixture
 def debug(monkeypatch):
-    monkeypatch.setattr(comm, "_DEBUG", True)
+    monkeypatch.setattr(comm.checks, "_DEBUG", True)
 
 
 # name -> (call on ``comm``, the error it raises, what its message says)
@@ -92,7 +92,7 @@ BAD_CALLS = {
 @pytest.mark.parametrize("debug_mode", [False, True], ids=["debug off", "debug on"])
 @pytest.mark.parametrize("name", list(BAD_CALLS))
 def test_a_rank_that_catches_an_argument_error_stays_in_step(name, target, debug_mode, monkeypatch):
-    monkeypatch.setattr(comm, "_DEBUG", debug_mode)
+    monkeypatch.setattr(comm.checks, "_DEBUG", debug_mode)
     call, error, message = BAD_CALLS[name]
     if RANK == ODD:
         with pytest.raises(error, match=message):
@@ -197,7 +197,7 @@ def test_mpidp_debug_accepts_the_usual_spellings(monkeypatch, value, expected):
 
 
 def test_mpidp_debug_refuses_anything_else_naming_the_variable(monkeypatch):
-    assert comm._DEBUG is comm._debug_from_env()  # what import time read
+    assert comm.checks._DEBUG is comm._debug_from_env()  # what import time read
     monkeypatch.setenv("MPIDP_DEBUG", "verbose")
     with pytest.raises(ValueError, match=r"MPIDP_DEBUG must be one of 1/true/yes/on or "
                                          r"0/false/no/off \(any case\), got 'verbose'"):

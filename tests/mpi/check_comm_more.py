@@ -288,7 +288,7 @@ def test_non_contiguous_send_and_recv():
 
 
 def test_contiguous_tensors_go_to_mpi_as_they_are():
-    if comm._STAGE_CPU:
+    if comm.staging._STAGE_CPU:
         pytest.skip("MPIDP_STAGE_CPU=1 stages every tensor")
     tensor, output = torch.ones(4), torch.empty(4 * SIZE)
     inputs, outputs, copy_back = comm._stage((tensor,), (output, tensor))
@@ -660,7 +660,7 @@ def test_a_rank_that_catches_an_argument_error_stays_in_step(name, target, debug
                                                              monkeypatch):
     if name in NEEDS_TWO and SIZE < 2:
         pytest.skip("needs two ranks")
-    monkeypatch.setattr(comm, "_DEBUG", debug_mode)
+    monkeypatch.setattr(comm.checks, "_DEBUG", debug_mode)
     call, error, message = BAD_CALLS[name]
     in_flight = len(comm._in_flight)
     if RANK == ODD:
@@ -676,7 +676,7 @@ def test_a_rank_that_catches_an_argument_error_stays_in_step(name, target, debug
 @pytest.fixture
 def no_debug(monkeypatch):
     """The checks every call makes, not MPIDP_DEBUG's fingerprint, which would see some first."""
-    monkeypatch.setattr(comm, "_DEBUG", False)
+    monkeypatch.setattr(comm.checks, "_DEBUG", False)
 
 
 @needs_two
@@ -740,7 +740,7 @@ def raises_the_same_everywhere(call, expected: str) -> None:
 
 @pytest.fixture
 def debug(monkeypatch):
-    monkeypatch.setattr(comm, "_DEBUG", True)
+    monkeypatch.setattr(comm.checks, "_DEBUG", True)
 
 
 @needs_two

@@ -1,0 +1,101 @@
+"""Checks that keep ranks in step: arguments, and (``MPIDP_DEBUG``) that all make the same call.
+
+Arguments are checked before anything collective happens (taking a pool
+member included), so a rank that catches an argument error stays in step with
+the others. What one rank cannot check alone (``alltoall``'s splits against
+the senders', ``allgatherv``'s row shapes) is exchanged first (see
+``mpidp.comm.uneven``), and a disagreement raises the same ``ValueError`` on
+every rank.
+
+Set ``MPIDP_DEBUG=1`` (or true/yes/on) to have every collective first check, on
+the communicator it is about to use, that all ranks made the same call: the
+same collective (blocking or not), op, root, dtype and element count. A
+mismatch raises the same ``ValueError`` on every rank, naming each rank's call,
+instead of hanging or corrupting memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .. import _env
+from .. import watchdog as _watchdog
+from .dtypes import _DATATYPES
+
+
+def _debug_from_env() -> bool:
+    return _env.flag("MPIDP_DEBUG", False)
+
+
+# Read once at import; callers read it here at call time, so tests switch it by
+# setting mpidp.comm.checks._DEBUG.
+_DEBUG = _debug_from_env()
+
+
+def _check_tensor(name: str, tensor, written: bool = False) -> None:
+    """Check a tensor argument; ``written``: MPI puts a result into it."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _DATATYPES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in _DATATYPES)
+        raise TypeError(f"{name} has dtype {tensor.dtype}, supported dtypes are {supported}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {tensor.device}")
+    if tensor.requires_grad:
+        raise ValueError(f"{name} requires grad; communicate {name}.detach() instead")
+    if written and not tensor.is_contiguous() and any(
+            size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())):
+        # torch's copy_ refuses to write such a tensor: fail now, not after the collective
+        raise ValueError(f"{name} has elements that share memory (strides {tuple(tensor.stride())} "
+                         f"for shape {tuple(tensor.shape)}) and cannot receive a result; pass a "
+                         f"tensor of its own, such as {name}.clone()")
+
+
+def _check_root(root, comm: MPI.Intracomm) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
+        raise ValueError(f"invalid root {root!r}, root should be in the interval "
+                         f"[0, {comm.Get_size() - 1}]")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (MPI forbids aliased buffers)."""
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + _span(a) * a.element_size()
+    b_end = b_start + _span(b) * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements from the first to one past the last that ``tensor`` addresses."""
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+_ranks = _watchdog._ranks  # 'rank 3', 'ranks 0-2, 5': one way of naming ranks in messages
+
+
+def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields) -> None:
+    """Debug mode: check that every rank is making this call on ``comm``, else all raise.
+
+    Runs on the communicator the collective is about to use, before anything
+    else, so ranks that called different collectives still meet in this
+    allgather and reach the same decision.
+    """
+    args = ", ".join(f"{key}={value}" for key, value in fields.items())
+    call = f"{'i' if nonblocking else ''}{name}({args})"
+    slot = _watchdog.begin(f"the MPIDP_DEBUG check of {call}")
+    try:
+        calls = comm.allgather(call)
+    finally:
+        slot.current = None
+    if calls.count(calls[0]) == len(calls):
+        return
+    ranks_of: dict[str, list[int]] = {}
+    for rank, call in enumerate(calls):
+        ranks_of.setdefault(call, []).append(rank)
+    made = "; ".join(f"{_ranks(ranks)} called {call}" for call, ranks in ranks_of.items())
+    raise ValueError(f"collective calls differ across ranks: {made}; every rank must make the "
+                     f"same collective calls, with the same op, root, dtype and element count, "
+                     f"in the same order")

@@ -1,0 +1,83 @@
+"""Host and contiguous staging: what MPI gets in place of a tensor it cannot take as it is.
+
+Before MPI touches device memory, the stream that produced it is synchronised
+(mpi4py cannot do that); a CUDA-aware library then reads device memory
+directly, any other gets a copy staged through pinned host memory (see
+``mpidp.cuda``). A non-contiguous tensor is staged the same way: MPI gets a
+contiguous copy, and a tensor that receives a result gets it copied back when
+the operation completes (at ``wait()`` for the ``i``-forms); only a result
+tensor whose elements share memory (a stride-0 ``expand()``) is refused (see
+``checks._check_tensor``). Contiguous tensors go to MPI as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cuda as _cuda
+
+# Read once at import; tests switch it by setting mpidp.comm.staging._STAGE_CPU.
+_STAGE_CPU = _cuda.stage_cpu()  # testing aid: CPU tensors take the staging path too
+
+
+def _stage(inputs: tuple, outputs: tuple, host_only: bool = False):
+    """Make tensors safe to hand to MPI; return (mpi inputs, mpi outputs, copy back or None).
+
+    A contiguous tensor MPI can read goes as it is. Device memory the library
+    cannot read (it is not CUDA-aware, or ``host_only``, as for reductions that
+    torch computes on the host) gets a pinned host stand-in; a non-contiguous
+    tensor a contiguous stand-in on its own device. Inputs' stand-ins are filled
+    now, outputs' copied back by the returned step once MPI has finished; a
+    tensor that is both (in place) gets one stand-in. Device streams are
+    synchronised after the copies are queued, so MPI reads finished data.
+    """
+    tensors = inputs + outputs
+    if not _STAGE_CPU:
+        for tensor in tensors:
+            if tensor.is_cuda or not tensor.is_contiguous():
+                break
+        else:
+            return inputs, outputs, None
+    devices = {t.device for t in tensors if t.is_cuda}
+    device_to_host = bool(devices) and (host_only or not _cuda.cuda_aware())
+    pinned = torch.cuda.is_available()
+    stand_ins: dict[int, torch.Tensor] = {}
+
+    def stand_in(tensor, fill):
+        if id(tensor) not in stand_ins:
+            if device_to_host and tensor.is_cuda or _STAGE_CPU and not tensor.is_cuda:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            elif not tensor.is_contiguous():
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            else:
+                copy = tensor
+            if fill and copy is not tensor:
+                copy.copy_(tensor)
+            stand_ins[id(tensor)] = copy
+        return stand_ins[id(tensor)]
+
+    mpi_inputs = tuple(stand_in(t, True) for t in inputs)
+    mpi_outputs = tuple(stand_in(t, False) for t in outputs)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    pairs = [(t, copy) for t, copy in zip(outputs, mpi_outputs) if copy is not t]
+    if not pairs:
+        return mpi_inputs, mpi_outputs, None
+
+    def copy_back():
+        for tensor, copy in pairs:
+            tensor.copy_(copy, non_blocking=True)  # from pinned memory: ordered on the stream
+
+    return mpi_inputs, mpi_outputs, copy_back
+
+
+def _chain(*steps):
+    steps = [step for step in steps if step is not None]
+    if not steps:
+        return None
+
+    def run():
+        for step in steps:
+            step()
+
+    return run

@@ -1,0 +1,206 @@
+"""Collectives whose blocks may differ in size by rank: ``alltoall`` with splits, ``allgatherv``.
+
+What one rank cannot check alone (``alltoall``'s splits against the senders',
+``allgatherv``'s row shapes) is exchanged first, blocking even in the
+``i``-forms, and a disagreement raises the same ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import watchdog as _watchdog
+from . import checks as _checks
+from .checks import _check_same_call, _check_tensor, _ranks
+from .dtypes import _DTYPES, _buffer, _dtype_name, _vbuffer
+from .handle import Handle, _start
+from .pool import _base, _collective_comm
+from .staging import _stage
+
+__all__ = ["alltoall", "ialltoall", "allgatherv", "iallgatherv"]
+
+
+def _row_numel(name: str, tensor: torch.Tensor) -> int:
+    if tensor.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension to split into rows, "
+                         f"got a 0-d tensor")
+    return math.prod(tensor.shape[1:])
+
+
+def _rows_per_rank(name: str, splits, rows: int, size: int) -> list[int]:
+    """Check ``splits`` (None: equal) against a tensor of ``rows`` rows; return rows per rank."""
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{name} is None, so the first dimension must divide by the world "
+                             f"size ({size}), got {rows}")
+        return [rows // size] * size
+    if not isinstance(splits, (list, tuple)) or len(splits) != size:
+        raise ValueError(f"{name} must be a list of world size ({size}) row counts, got {splits!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in splits):
+        raise ValueError(f"{name} must hold ints >= 0, got {list(splits)}")
+    if sum(splits) != rows:
+        raise ValueError(f"{name} must add up to the first dimension ({rows}), "
+                         f"got {list(splits)} (sum {sum(splits)})")
+    return list(splits)
+
+
+def _check_splits_agree(comm: MPI.Intracomm, receives: list[int], sends: list[int],
+                        row_numel: int, dtype: torch.dtype) -> None:
+    """Check, on every rank alike, that each rank receives from each what the sender sends.
+
+    MPI requires every receive count to equal the matching send count; a smaller
+    one fails on the receiver alone, a larger one leaves garbage unnoticed.
+    """
+    code = _DTYPES.index(dtype)
+    outgoing = np.array([[rows, row_numel, code] for rows in sends], dtype=np.int64)
+    incoming = np.empty_like(outgoing)
+    comm.Alltoall([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T])
+    rank = comm.Get_rank()
+    faults = []
+    for peer, (rows, peer_row_numel, peer_code) in enumerate(incoming.tolist()):
+        if peer_row_numel != row_numel or peer_code != code:
+            faults.append(f"rank {peer} sends rows of {peer_row_numel} elements of "
+                          f"{_dtype_name(_DTYPES[peer_code])}, rank {rank} receives "
+                          f"rows of {row_numel} elements of {_dtype_name(dtype)}")
+        elif rows != receives[peer]:
+            faults.append(f"rank {peer}'s input_splits[{rank}] is {rows}, rank {rank}'s "
+                          f"output_splits[{peer}] is {receives[peer]}")
+    count = np.array([len(faults)], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX)
+    if count[0]:
+        faults = [fault for faults_of_rank in comm.allgather(faults) for fault in faults_of_rank]
+        more = f" (and {len(faults) - 4} more)" if len(faults) > 4 else ""
+        raise ValueError(f"alltoall splits disagree across ranks: {'; '.join(faults[:4])}{more}; "
+                         f"each rank's output_splits[j] must equal rank j's input_splits[rank], "
+                         f"of rows with the same number of elements and dtype")
+
+
+def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
+    _check_tensor("output", output, written=True)
+    _check_tensor("tensor", tensor)
+    if output.dtype != tensor.dtype:
+        raise TypeError(f"output and tensor must have the same dtype, "
+                        f"got {output.dtype} and {tensor.dtype}")
+    size = _base(comm).Get_size()
+    uneven = output_splits is not None or input_splits is not None
+    if uneven:
+        row_numel = _row_numel("tensor", tensor)
+        if _row_numel("output", output) != row_numel:
+            raise ValueError(f"output and tensor must have rows (all dimensions but the first) "
+                             f"of the same number of elements, got {_row_numel('output', output)} "
+                             f"and {row_numel}")
+        receives = _rows_per_rank("output_splits", output_splits, output.shape[0], size)
+        sends = _rows_per_rank("input_splits", input_splits, tensor.shape[0], size)
+    elif output.numel() != tensor.numel() or tensor.numel() % size:
+        raise ValueError(f"without splits, output and tensor must have the same number of "
+                         f"elements, divisible by the world size ({size}), got "
+                         f"{output.numel()} and {tensor.numel()}")
+    comm = _collective_comm(comm)
+    if _checks._DEBUG:
+        shape = dict(splits="uneven", row_numel=row_numel) if uneven else dict(numel=tensor.numel())
+        _check_same_call(comm, "alltoall", nonblocking, dtype=_dtype_name(tensor.dtype), **shape)
+    if uneven:
+        slot = _watchdog.begin(("alltoall's splits check", tensor))
+        try:
+            _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype)
+        finally:
+            slot.current = None
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    if uneven:
+        args = (_vbuffer(sent, [n * row_numel for n in sends]),
+                _vbuffer(received, [n * row_numel for n in receives]))
+    else:  # mpi4py counts both buffers per rank
+        args = (_buffer(sent, tensor.numel() // size), _buffer(received, tensor.numel() // size))
+    return _start(comm, "Alltoallv" if uneven else "Alltoall", args,
+                  (output, tensor, sent, received), output, copy_back, nonblocking,
+                  ("alltoall", tensor))
+
+
+def alltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, input_splits=None, *,
+             comm=None) -> torch.Tensor:
+    """Send block ``j`` of ``tensor`` to rank ``j``, receiving block ``j`` of ``output`` from it.
+
+    Like torch's ``all_to_all_single``. Without splits, both tensors are world
+    size equal blocks in flat order. With splits, blocks are rows (slices along
+    the first dimension), and a None side is world size equal row blocks. The
+    splits are checked across ranks before the exchange (a small alltoall and
+    an allreduce, blocking even in ``ialltoall``): each rank's
+    ``output_splits[j]`` must equal rank ``j``'s ``input_splits[rank]``, or
+    every rank raises the same ``ValueError``.
+
+    Args:
+        output: receives the blocks, rank by rank.
+        tensor: the blocks to send, rank by rank (same dtype as ``output``).
+        output_splits: rows to receive from each rank, or None.
+        input_splits: rows to send to each rank, or None.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        ``output``.
+    """
+    return _alltoall(output, tensor, output_splits, input_splits, comm, False)
+
+
+def ialltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, input_splits=None,
+              *, comm=None) -> Handle:
+    """Start ``alltoall`` without blocking (the splits check before it does block)."""
+    return _alltoall(output, tensor, output_splits, input_splits, comm, True)
+
+
+def _allgatherv(tensor, comm, nonblocking):
+    _check_tensor("tensor", tensor)
+    row_shape = tuple(tensor.shape[1:])
+    _row_numel("tensor", tensor)
+    comm = _collective_comm(comm)
+    dtype = _dtype_name(tensor.dtype)
+    if _checks._DEBUG:
+        _check_same_call(comm, "allgatherv", nonblocking, dtype=dtype, row_shape=row_shape)
+    slot = _watchdog.begin(("allgatherv's shape exchange", tensor))
+    try:
+        headers = comm.allgather((tensor.shape[0], row_shape, dtype))
+    finally:
+        slot.current = None
+    kinds = [(shape, name) for _, shape, name in headers]
+    if kinds.count(kinds[0]) != len(kinds):
+        ranks_of: dict[tuple, list[int]] = {}
+        for rank, kind in enumerate(kinds):
+            ranks_of.setdefault(kind, []).append(rank)
+        held = "; ".join(f"{_ranks(ranks)}: rows of shape {shape}, {name}"
+                         for (shape, name), ranks in ranks_of.items())
+        raise ValueError(f"allgatherv: tensors must have the same dtype and the same shape after "
+                         f"the first dimension on every rank, got {held}")
+    sizes = [rows for rows, _, _ in headers]
+    output = tensor.new_empty((sum(sizes), *row_shape))
+    row_numel = math.prod(row_shape)
+    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    args = (_buffer(sent), _vbuffer(received, [rows * row_numel for rows in sizes]))
+    return _start(comm, "Allgatherv", args, (output, tensor, sent, received), (output, sizes),
+                  copy_back, nonblocking, ("allgatherv", tensor))
+
+
+def allgatherv(tensor: torch.Tensor, *, comm=None) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate every rank's ``tensor`` along the first dimension, which may differ by rank.
+
+    Like Horovod's ``allgather``: the other dimensions and the dtype must be the
+    same on every rank (checked in the first step, a small allgather of the
+    shapes, which blocks even in ``iallgatherv``; a mismatch raises the same
+    ``ValueError`` on every rank).
+
+    Args:
+        tensor: this rank's rows, at least one dimension.
+        comm: None, a ``Pool`` or an mpi4py communicator.
+
+    Returns:
+        (a new tensor of every rank's rows in rank order, on ``tensor``'s device;
+        the number of rows from each rank). ``output.split(sizes)`` gives each rank's.
+    """
+    return _allgatherv(tensor, comm, False)
+
+
+def iallgatherv(tensor: torch.Tensor, *, comm=None) -> Handle:
+    """Start ``allgatherv`` without blocking; ``wait()`` returns ``(output, sizes)``."""
+    return _allgatherv(tensor, comm, True)
