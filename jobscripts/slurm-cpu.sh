@@ -21,9 +21,15 @@ set -euo pipefail
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # Each task gets a block of cpus-per-task cores; block:block keeps a task's
 # cores inside one socket/NUMA domain.
-LAUNCH=(srun --cpu-bind=cores --distribution=block:block)
+# srun starts the ranks through a PMI plugin that must match the MPI mpi4py was
+# built against: pmi2 for MPICH, MVAPICH and Intel MPI, pmix for Open MPI,
+# cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
+# shows as every rank saying "rank 0 of 1" in the info report below.
+SRUN_MPI=${SRUN_MPI:-pmi2}
+LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --distribution=block:block)
 #   MPICH's own launcher instead:   mpiexec -n "$SLURM_NTASKS" -ppn 2 -bind-to numa
 #   Open MPI's launcher instead:    mpiexec -n "$SLURM_NTASKS" --map-by ppr:1:numa --bind-to numa
+# Edit: your training script and its arguments.
 EXAMPLE=(examples/train_digits.py --epochs 10)
 
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then

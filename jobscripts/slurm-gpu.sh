@@ -21,7 +21,13 @@ set -euo pipefail
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # Cray MPICH: export MPICH_GPU_SUPPORT_ENABLED=1 for CUDA-aware communication.
 # --gpu-bind=closest gives each task the GPU nearest its cores.
-LAUNCH=(srun --cpu-bind=cores --gpu-bind=closest)
+# srun starts the ranks through a PMI plugin that must match the MPI mpi4py was
+# built against: pmi2 for MPICH, MVAPICH and Intel MPI, pmix for Open MPI,
+# cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
+# shows as every rank saying "rank 0 of 1" in the info report below.
+SRUN_MPI=${SRUN_MPI:-pmi2}
+LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --gpu-bind=closest)
+# Edit: your training script and its arguments.
 EXAMPLE=(examples/train_digits.py --epochs 10)
 
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["flag", "number"]
+__all__ = ["choice", "flag", "given", "number"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -47,3 +47,22 @@ def number(name: str, default: float, *, minimum: float = 0, integer: bool = Fal
     if parsed is None or parsed != parsed or parsed < minimum:
         raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
     return parsed
+
+
+def given(name: str) -> bool:
+    """True if the variable is set to something other than blanks (what the readers take for unset)."""
+    return bool(os.environ.get(name, "").strip())
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Read one of ``choices`` (lowercase), any case; unset or empty is ``default``.
+
+    Raises:
+        ValueError: naming the variable, the choices and the value.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)} (any case), got {value!r}")
+    return value.lower()

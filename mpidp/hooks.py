@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import _args
 from . import comm as _comm
+from .comm import chunking as _chunking
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "compressed_allreduce", "PowerSGDState", "powerSGD_hook"]
-
-_CHUNK_BYTES = 4 << 20  # as the DDP's default chunk_mb
 
 
 class GradBucket:
@@ -97,9 +97,7 @@ def allreduce_hook(state, bucket: GradBucket) -> torch.futures.Future:
     comm = _comm_of(state)
     buffer = bucket.buffer()
     size = _size(comm)
-    chunk = max(1, _CHUNK_BYTES // buffer.element_size())
-    for piece in buffer.split(chunk):
-        piece.div_(size)  # while in cache, just before it is reduced
+    for piece in _chunking.pieces(buffer, _chunking.chunk_bytes(), size):
         _comm.allreduce(piece, "sum", comm=comm)
     return _done(buffer)
 
@@ -192,10 +190,7 @@ class PowerSGDState:
                  start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2,
                  use_error_feedback: bool = True, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0, random_seed: int = 0):
-        if isinstance(matrix_approximation_rank, bool) or not isinstance(matrix_approximation_rank, int) \
-                or matrix_approximation_rank < 1:
-            raise ValueError(f"matrix_approximation_rank must be an int >= 1, got "
-                             f"{matrix_approximation_rank!r}")
+        _args.check_int("matrix_approximation_rank", matrix_approximation_rank, minimum=1)
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
             raise ValueError(f"start_powerSGD_iter must be > 1 when use_error_feedback or "
                              f"warm_start is on (as in torch: PowerSGD starts after the first "

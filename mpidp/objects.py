@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import agreement as _agreement
 from . import comm as _comm
 
 __all__ = ["broadcast_object", "allgather_object", "average"]
@@ -40,25 +41,6 @@ def _loads(data) -> tuple[object, str | None]:
         return pickle.loads(data), None
     except Exception as err:
         return None, f"{type(err).__name__}: {err}"
-
-
-def _raise_together(comm: MPI.Intracomm, error: str | None, kind: type, what: str) -> None:
-    """Raise ``kind`` on every rank if ``error`` is set on any, naming the ranks and their errors.
-
-    A cheap allreduce when all went well; the messages travel only when not.
-    """
-    failed = np.array([error is not None], dtype=np.int32)
-    comm.Allreduce(MPI.IN_PLACE, [failed, MPI.INT], MPI.MAX)
-    if failed[0]:
-        raise kind(f"{what} {_by_rank(comm.allgather(error))}")
-
-
-def _by_rank(errors: list) -> str:
-    ranks_of: dict[str, list[int]] = {}
-    for rank, error in enumerate(errors):
-        if error is not None:
-            ranks_of.setdefault(error, []).append(rank)
-    return "; ".join(f"{_comm._ranks(ranks)}: {error}" for error, ranks in ranks_of.items())
 
 
 def _start(comm, name: str, **fields) -> MPI.Intracomm:
@@ -95,7 +77,7 @@ def broadcast_object(obj, root: int = 0, *, comm=None):
     buffer = data if is_root else bytearray(nbytes)
     mpi.Bcast([buffer, nbytes, MPI.BYTE], root)
     result, error = (obj, None) if is_root else _loads(buffer)
-    _raise_together(mpi, error, pickle.UnpicklingError,
+    _agreement.raise_together(mpi, error, pickle.UnpicklingError,
                     f"broadcast_object: rank {root}'s object cannot be unpickled on")
     return result
 
@@ -121,7 +103,7 @@ def allgather_object(obj, *, comm=None) -> list:
     errors = [error for _, error in headers]
     if any(error is not None for error in errors):
         raise pickle.PicklingError(f"allgather_object: an object cannot be pickled on "
-                                   f"{_by_rank(errors)}")
+                                   f"{_agreement.by_rank(errors)}")
     counts = [nbytes for nbytes, _ in headers]
     offsets = [0, *itertools.accumulate(counts)]
     buffer = bytearray(offsets[-1])
@@ -136,7 +118,7 @@ def allgather_object(obj, *, comm=None) -> list:
         results.append(result)
         if failure is not None and error is None:
             error = f"rank {peer}'s object: {failure}"
-    _raise_together(mpi, error, pickle.UnpicklingError,
+    _agreement.raise_together(mpi, error, pickle.UnpicklingError,
                     "allgather_object: an object cannot be unpickled on")
     return results
 
@@ -190,16 +172,16 @@ def average(value, *, comm=None):
     gathered = mpi.allgather((local, error))
     errors = [error for _, error in gathered]
     if any(error is not None for error in errors):
-        raise TypeError(f"average: {_by_rank(errors)}")
+        raise TypeError(f"average: {_agreement.by_rank(errors)}")
     values = [local for local, _ in gathered]
     kinds = ["dict" if isinstance(v, dict) else "number" for v in values]
     if kinds.count(kinds[0]) != len(kinds):
-        raise TypeError(f"average: ranks mix numbers and dicts: {_by_rank(kinds)}")
+        raise TypeError(f"average: ranks mix numbers and dicts: {_agreement.by_rank(kinds)}")
     if kinds[0] == "number":
         return sum(values) / len(values)  # builtin sum: left to right, in rank order
     keys = [sorted(map(repr, v)) for v in values]
     if keys.count(keys[0]) != len(keys):
         described = [f"keys {', '.join(k)}" for k in keys]
-        raise ValueError(f"average: the dicts' keys differ across ranks: {_by_rank(described)}; "
-                         f"every rank must report the same keys")
+        raise ValueError(f"average: the dicts' keys differ across ranks: "
+                         f"{_agreement.by_rank(described)}; every rank must report the same keys")
     return {key: sum(v[key] for v in values) / len(values) for key in local}

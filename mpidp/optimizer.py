@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from . import agreement as _agreement
 from . import comm as _comm
 from . import objects as _objects
 
@@ -137,6 +138,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, *
             optimizer.load_state_dict(_fill(skeleton, tensors))
         except Exception as err:  # torch's checks (ValueError) and anything a hook raises
             error = f"{type(err).__name__}: {err}"
-    _objects._raise_together(_comm._collective_comm(comm), error, ValueError,
+    _agreement.raise_together(_comm._collective_comm(comm), error, ValueError,
                              f"broadcast_optimizer_state: rank {root}'s state dict cannot be "
                              f"loaded on")

@@ -34,6 +34,7 @@ import torch
 from mpi4py import MPI
 
 from . import comm as _comm
+from .comm import chunking as _chunking
 from . import cuda as _cuda
 from . import runtime
 from . import watchdog as _watchdog
@@ -48,11 +49,7 @@ class _Strategy:
         self.window = None  # an mpidp.shm.Window: buffers in it are reduced there, blocking
 
     def _pieces(self, buffer: torch.Tensor, divisor: int):
-        chunk = max(1, self.chunk_bytes // buffer.element_size())
-        for piece in buffer.split(chunk) if buffer.numel() > chunk else (buffer,):
-            if divisor != 1:
-                piece.div_(divisor)
-            yield piece
+        return _chunking.pieces(buffer, self.chunk_bytes, divisor)
 
     def _each(self, buffer, divisor, pairs, allreduce, reduce_scatter) -> list:
         # pairs: (input chunk, output) of a reduce-scatter per chunk (ZeRO stage 2)
@@ -159,9 +156,8 @@ class Threaded(_Strategy):
         the copies queued from it are done.
         """
         host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-        chunk = max(1, self.chunk_bytes // buffer.element_size())
         pieces = list(self._pieces(buffer, divisor))
-        mirrors = host.split(chunk) if len(pieces) > 1 else (host,)
+        mirrors = list(_chunking.pieces(host, self.chunk_bytes))
         arrived = []
         for piece, mirror in zip(pieces, mirrors):
             mirror.copy_(piece, non_blocking=True)

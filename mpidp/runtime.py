@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import ctypes
 import dis
 import fcntl
 import functools
@@ -235,6 +236,7 @@ def _abort(lines: list[str], status: int) -> None:
     while (_unread_bytes(1) or _unread_bytes(2)) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(_GRACE_SECONDS)
+    _library_exit["quiet"] = True  # the lines above say why; MPI_Abort may exit() through it
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)  # MPI_Abort was seen to return when called from a thread (MPICH 5.0)
 
@@ -346,9 +348,64 @@ def abort_on_exception(enable: bool = True) -> None:
         setattr(builtins, name, _Quitter(quitter) if enable else quitter)
 
 
+# --- the MPI library ending the process ---------------------------------------------------
+# MPICH (5.0, the wheel) treats some errors inside a collective as fatal whatever the
+# communicator's error handler says: a truncated message, the usual sign of ranks whose
+# element counts or dtypes differ, makes the library print its error stack and call exit()
+# from inside the call. No Python exception is raised, and nothing of mpidp's would run.
+# A C-level exit handler does run then, with the interpreter still alive: glibc's
+# __cxa_atexit, under a key of mpidp's own. It names what the stall watchdog has recorded
+# this rank's threads as waiting in, and the way on (MPIDP_DEBUG=1). Python's own exit
+# (atexit, interpreter alive) first removes it with __cxa_finalize on that key, because
+# a call into Python after the interpreter's finalization crashes; mpidp's own abort
+# silences it, having said why already. Without glibc it is not armed.
+
+_library_exit: dict = {"pid": None, "quiet": False, "key": None, "hook": None, "libc": None}
+
+
+def _report_library_exit(_arg) -> None:
+    state = _library_exit
+    if state["quiet"] or state["pid"] != os.getpid():
+        return
+    state["quiet"] = True
+    try:
+        from . import errors, watchdog
+        calls = watchdog.describe_calls()
+        where = "; ".join(calls) if calls else "no mpidp call that the stall watchdog records"
+        error = errors.mpi_failure(where, RuntimeError("it ended this process (see its error "
+                                                       "stack above)"))
+        prefix = f"[mpidp rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}] "
+        _write_all(2, (prefix + str(error) + "\n").encode(errors="replace"))
+    except BaseException:  # never let the report stop the exit
+        pass
+
+
+def _arm_library_exit_report() -> None:
+    """Arm the report above, once per process (glibc only)."""
+    if _library_exit["pid"] == os.getpid():
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        register, finalize = libc.__cxa_atexit, libc.__cxa_finalize
+    except (OSError, AttributeError):
+        return
+    key = ctypes.create_string_buffer(1)
+    hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_report_library_exit)
+    if register(hook, None, ctypes.c_void_p(ctypes.addressof(key))) != 0:
+        return
+    _library_exit.update(pid=os.getpid(), quiet=False, key=key, hook=hook, libc=libc)
+
+    def disarm() -> None:
+        _library_exit["quiet"] = True
+        finalize(ctypes.c_void_p(ctypes.addressof(key)))
+
+    atexit.register(disarm)
+
+
 def _start() -> None:
     """What importing mpidp does in the launched process (never in a multiprocessing child)."""
     require_mpi()
+    _arm_library_exit_report()
     atexit.register(_abort_on_exit_status)  # runs before mpi4py's MPI_Finalize
     if _abort_from_env() and size() > 1:
         abort_on_exception(True)

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
-from . import runtime
+from . import _args, runtime
 
 __all__ = ["DistributedSampler"]
 
@@ -40,8 +40,7 @@ class DistributedSampler(_TorchDistributedSampler):
             num_replicas = runtime.size()
         if rank is None:
             rank = runtime.rank()
-        if not isinstance(pad, bool):
-            raise TypeError(f"pad must be a bool, got {pad!r}")
+        _args.check_bool("pad", pad)
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                          seed=seed, drop_last=drop_last)
         self.pad = pad

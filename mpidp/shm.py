@@ -63,10 +63,15 @@ def node_of(comm: MPI.Intracomm) -> "Node":
     """
     if comm != MPI.COMM_WORLD:
         return Node(comm)
-    forced = int(_env.number("MPIDP_SHM_NODE_SIZE", 0, integer=True))
+    forced = _forced_node_size()
     if forced not in _WORLD_NODES:
         _WORLD_NODES[forced] = Node(comm)
     return _WORLD_NODES[forced].duplicate()
+
+
+def _forced_node_size() -> int:
+    """``MPIDP_SHM_NODE_SIZE``: ranks per pretended node (tests), 0 for the real nodes."""
+    return int(_env.number("MPIDP_SHM_NODE_SIZE", 0, integer=True))
 
 
 class Node:
@@ -80,7 +85,7 @@ class Node:
     """
 
     def __init__(self, comm: MPI.Intracomm):
-        forced = int(_env.number("MPIDP_SHM_NODE_SIZE", 0, integer=True))
+        forced = _forced_node_size()
         if forced > 0:
             self.node = comm.Split(comm.Get_rank() // forced, comm.Get_rank())
         else:

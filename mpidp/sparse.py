@@ -4,16 +4,16 @@ Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)`
 touch different rows on different ranks, so they cannot share a dense bucket.
 As torch's DDP and Horovod do, every rank gathers every rank's (indices,
 values), and the sum is the coalesced sparse tensor of all of them, here
-divided by the world size first, like the dense gradients.
+divided by the world size first, like the dense gradients. The gathers are
+``mpidp.comm.allgatherv`` (watched, shapes checked across ranks).
 """
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 from mpi4py import MPI
+
+from . import comm as _comm
 
 __all__ = ["allreduce_average"]
 
@@ -23,17 +23,6 @@ def _empty_like_grad(param: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
                                    torch.empty(0, *param.shape[1:], dtype=param.dtype),
                                    param.shape, check_invariants=False)
-
-
-def _gather_rows(rows: torch.Tensor, counts: list[int], comm: MPI.Intracomm) -> torch.Tensor:
-    """Allgather tensors of ``counts[r]`` rows each (same row shape on every rank) as bytes."""
-    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    out = torch.empty((sum(counts), *rows.shape[1:]), dtype=rows.dtype)
-    send = rows.contiguous().view(-1).view(torch.uint8).numpy() if rows.numel() else \
-        np.empty(0, dtype=np.uint8)
-    receive = out.view(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)
-    comm.Allgatherv([send, MPI.BYTE], [receive, [c * row_bytes for c in counts], MPI.BYTE])
-    return out
 
 
 def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
@@ -61,9 +50,8 @@ def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
                          f"got {grad.sparse_dim()} for shape {tuple(grad.shape)}")
     indices = grad.indices()[0].contiguous()
     values = (grad.values() / divisor).contiguous()
-    counts = comm.allgather(indices.numel())
-    all_indices = _gather_rows(indices, counts, comm)
-    all_values = _gather_rows(values, counts, comm)
+    all_indices, _ = _comm.allgatherv(indices, comm=comm)
+    all_values, _ = _comm.allgatherv(values, comm=comm)
     # The indices are the ranks' own coalesced indices of the same parameter: in range.
     total = torch.sparse_coo_tensor(all_indices.unsqueeze(0), all_values, param.shape,
                                     check_invariants=False)

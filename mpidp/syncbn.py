@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import _args
 from . import comm as _comm
 from . import runtime
 
@@ -198,8 +199,7 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
                  *, bias: bool = True, comm: MPI.Intracomm | None = None):
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"num_features must be an int >= 1, got {num_features!r}")
+        _args.check_int("num_features", num_features, minimum=1)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         if affine and not bias:  # set here, not passed on: older torch has no bias argument
             self.register_parameter("bias", None)

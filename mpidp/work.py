@@ -1,52 +1,16 @@
-"""The torch.distributed backend's Works and the one thread that progresses them.
+"""The torch.distributed backend's Works: pending operations, their futures, waiting on them.
 
-The rules, which make every rank issue the same operations in the same order on
-each communicator and keep every rank from waiting on something only a blocked
-thread of its own could start (docs/concurrency.md has the whole model):
-
-1. A program thread starts every operation nonblocking, in its program order,
-   on the group's communicators. torch requires a group's collectives to be
-   called in the same order on every rank; MPI matches them per communicator in
-   the order they start.
-2. The progress thread never blocks in MPI. It tests started requests,
-   completes Works and their futures (in each group's order), and starts the
-   next chunk of a chunked all_reduce. Since it never blocks, no rank can sit
-   in one group's collective while it owes a peer the start of another group's
-   (two groups over the same ranks, as in FSDP2's HSDP, issued in different
-   orders on different ranks).
-3. A chunked all_reduce (larger than ``MPIDP_CHUNK_MB``) goes one chunk at a
-   time on its group's chunk communicator. Only the progress thread starts
-   chunks, and only for the oldest unfinished Work of the group (the head of
-   its queue), so the chunk communicator carries the group's chunked
-   all_reduces in the group's order on every rank. One chunk in flight moves
-   64 MB as fast as blocking 4 MiB chunks do (16.8 vs 17.2 ms, MPICH, 2 ranks).
-4. A program thread that waits blocks only in ``MPI_Wait`` on a request it
-   started (everything the rank owes has been started, or will be by rule 2),
-   or sleeps on a chunked Work's event. A future's callback runs on the
-   progress thread; a collective it issues is driven there (rule 2), not
-   waited on.
-5. Every Work has a deadline: the group's timeout (``init_process_group``'s
-   ``timeout``, torch's default otherwise). Past it, ``wait()`` and the future
-   fail with ``torch.distributed.DistBackendError`` naming the operation; MPI
-   cannot cancel a collective, so its buffers stay referenced until exit.
-   While a Work is pending the progress thread records it with the stall
-   watchdog (``MPIDP_TIMEOUT``), which names it if it stalls.
-6. Device memory follows torch's Work contract. A staged result is copied back
-   on the stream of the thread that completes the Work, and an event recorded
-   after that copy (one per device) is what ``wait()`` makes the caller's
-   current stream wait on. A chunked all_reduce of device memory the library
-   cannot read is copied to pinned host memory by the progress thread, on a
-   side stream ordered after an event of the caller's stream, and polled: the
-   caller returns at once and the progress thread never waits on a device.
-
-Below ``MPI_THREAD_MULTIPLE`` there is no progress thread: every call completes
-before it returns (chunks as blocking calls on the calling thread), and a
-message completes in ``wait()`` or ``is_completed()``.
+A ``Work`` is what an asynchronous call of the backend ``"mpidp"`` returns: the
+started requests (or a chunked all_reduce, ``mpidp.chunks``) and the tensors
+torch gets. The progress thread (``mpidp.progress``) completes it, or a thread
+that waits on its own requests does; ``Done`` is a Work that completed before
+it was returned, and ``All`` several as one. The numbered rules cited here
+("rule 4") are those at the top of ``mpidp.progress``, one list for all the
+backend's modules; docs/concurrency.md has the whole model.
 """
 
 from __future__ import annotations
 
-import collections
 import datetime
 import threading
 import time
@@ -55,90 +19,19 @@ import torch
 import torch.distributed as dist
 
 from . import comm as _comm
-from . import runtime as _runtime
+from .comm import checks as _checks
 from . import watchdog as _watchdog
+from .chunks import Chunks
+from .progress import progress
 
-__all__ = ["Chunks", "Done", "Work", "All", "blocking", "progress"]
-
-
-class Chunks:
-    """A large all_reduce as chunks of ``chunk_bytes``, one in flight (see rule 3).
-
-    Args:
-        tensor: what the chunks reduce in place (host memory where the library cannot
-            read device memory).
-        stage_from: ``(device tensor, event recorded on the caller's stream)``: first
-            copy that tensor into ``tensor`` (pinned) on the progress thread's side
-            stream after the event, polled rather than waited on (rule 6). The caller
-            then returns at once, as autograd's thread must to keep queueing the backward.
-    """
-
-    def __init__(self, tensor: torch.Tensor, op: str, comm, chunk_bytes: int, *,
-                 stage_from: tuple | None = None):
-        self.pieces = tensor.view(-1).split(max(1, chunk_bytes // tensor.element_size()))
-        self.op, self.comm = op, comm
-        self._next = 0
-        self._handle: _comm.Handle | None = None
-        self._host = tensor
-        self.moved = False  # a chunk started since the progress thread last looked
-        self._stage_from = stage_from
-        self._staged = None  # the side stream's event once the copy is queued
-
-    def _staging_done(self) -> bool:
-        if self._stage_from is None:
-            return True
-        source, ready = self._stage_from
-        if self._staged is None:
-            stream = _side_stream(source.device)
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                self._host.copy_(source, non_blocking=True)
-                source.record_stream(stream)
-                self._staged = torch.cuda.Event()
-                self._staged.record(stream)
-        if not self._staged.query():
-            return False
-        self._stage_from = None
-        return True
-
-    def advance(self) -> bool:
-        """Start the next chunk once the last one is done; True when all are (progress thread)."""
-        if not self._staging_done():
-            return False
-        while True:
-            if self._handle is not None:
-                if not self._handle.is_completed():
-                    return False
-                self._handle = None
-            if self._next == len(self.pieces):
-                return True
-            self._handle = _comm.iallreduce(self.pieces[self._next], self.op, comm=self.comm)
-            self._next += 1
-            self.moved = True
-
-    def run(self) -> None:
-        """All the chunks as blocking calls on this thread (below MPI_THREAD_MULTIPLE)."""
-        if self._stage_from is not None:
-            self._host.copy_(self._stage_from[0])  # on the caller's stream, synchronously
-            self._stage_from = None
-        for piece in self.pieces[self._next:]:
-            _comm.allreduce(piece, self.op, comm=self.comm)
-        self._next = len(self.pieces)
-
-    def in_flight(self) -> list:
-        return [] if self._handle is None else [self._handle]
-
-
-_side_streams: dict = {}  # device -> the progress thread's staging stream (that thread only)
-
-
-def _side_stream(device: torch.device):
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+__all__ = ["All", "CallCheck", "Done", "Work", "abandon", "blocking", "checked_wait", "new_future",
+           "wait_request"]
+# mpidp.work.Chunks and mpidp.work.progress name what they named before chunks.py and
+# progress.py were split off.
 
 
 def new_future(result) -> torch.futures.Future:
+    """An unset future for ``result``, on the CUDA devices its tensors live on (if any)."""
     devices = sorted({str(t.device) for t in result if t.is_cuda})
     return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
@@ -155,6 +48,42 @@ def _devices(result) -> list:
                   key=str)
 
 
+class CallCheck:
+    """The fingerprint of an operation, allreduced with MAX beside it (mpidp.comm.checks).
+
+    Started on the calling thread just before the operation, on the same pool, so
+    every rank starts both in the same order. When its request completes, ``error()``
+    is the same on every rank: None, or the ValueError that names what differs.
+    """
+
+    def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool):
+        self.call = call
+        self.reduced = _checks.fingerprint(call, tensor.numel(), tensor.dtype, op, root)
+        self.handle = _comm.iallreduce(self.reduced, "max", comm=pool)
+
+    def error(self) -> ValueError | None:
+        problem = _checks.fingerprint_problem(self.reduced)
+        return None if problem is None else ValueError(f"{self.call}: {problem}")
+
+
+def abandon(kept: list) -> None:
+    """Keep what MPI may still write into referenced for good (a failed Work's requests)."""
+    if kept:  # list.append is atomic: callable with progress.lock held (from _test) or not
+        progress._abandoned.append(kept)
+
+
+def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> None:
+    """Wait on ``handles`` in order; once ``check``'s request (the first) is done, raise its
+    error, the others' requests abandoned with ``result`` (a mismatched call may never end)."""
+    for index, handle in enumerate(handles):
+        wait_request(handle, deadline)
+        if check is not None and handle is check.handle:
+            error = check.error()
+            if error is not None:
+                abandon([handles[index + 1:], result])
+                raise error
+
+
 class Work(dist.Work):
     """A pending collective or message: mpidp.comm handles (or Chunks), the tensors torch gets.
 
@@ -168,11 +97,16 @@ class Work(dist.Work):
         chunks: a chunked all_reduce, driven by the progress thread.
         label: what it is, for stall reports and errors (see ``mpidp.watchdog``).
         deadline: ``time.monotonic()`` after which it fails (the group's timeout).
+        check: the call's fingerprint check (``CallCheck``), its request first in
+            ``handles``: once done, a mismatch fails the Work on every rank at once,
+            whatever the operation's own requests do.
     """
 
     def __init__(self, handles, result, *, finish=None, group=None, ordered=True, source=None,
-                 chunks: Chunks | None = None, label=None, deadline: float | None = None):
+                 chunks: Chunks | None = None, label=None, deadline: float | None = None,
+                 check: CallCheck | None = None):
         super().__init__()
+        self._check = check  # its request is handles[0], or the chunks' gate
         self._handles = list(handles)
         self._result = result
         self._finish = finish
@@ -204,7 +138,7 @@ class Work(dist.Work):
                 while self._handles:
                     if not self._handles[0].is_completed():
                         return False
-                    self._handles.pop(0)
+                    self._verify(self._handles.pop(0))
             if self._finish is not None:
                 self._finish()
             # Host staging copies back inside a handle's completion (comm._stage) or in
@@ -215,6 +149,15 @@ class Work(dist.Work):
             self._error = error
         self._set_done()
         return True
+
+    def _verify(self, handle) -> None:
+        """After ``handle`` completed: raise the call check's error if it was that check's."""
+        if self._check is not None and handle is self._check.handle:
+            error, self._check = self._check.error(), None
+            if error is not None:
+                abandon([self._handles, self._result])
+                self._handles, self._finish = [], None
+                raise error
 
     def _set_done(self) -> None:
         self._state = "done"
@@ -291,9 +234,9 @@ class Work(dist.Work):
     def _wait_claimed(self, deadline, explicit: bool) -> None:
         """Wait on this Work's own requests on this thread (rule 4)."""
         try:
-            for handle in self._handles:
-                wait_request(handle, deadline)
-            self._handles = []
+            while self._handles:
+                wait_request(self._handles[0], deadline)
+                self._verify(self._handles.pop(0))
             if self._finish is not None:
                 self._finish()
         except TimeoutError:
@@ -473,212 +416,3 @@ class All(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(
             lambda _: self.result())
-
-
-class _Progress:
-    """The progress thread (rule 2): tests requests, starts chunks, completes Works.
-
-    It polls with ``MPI_Test`` (a thread blocked in ``MPI_Wait`` could not see
-    requests started after it began waiting): without sleeping for
-    ``spin_seconds`` after a request arrives or completes, then sleeping from
-    20 us doubling up to ``_MAX_SLEEP``; a new request wakes it at once.
-    """
-
-    _MAX_SLEEP = 500e-6
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self._cv = threading.Condition(self.lock)
-        self._queues: dict = collections.defaultdict(collections.deque)  # group -> its order
-        self._loose: list[Work] = []  # messages: each completes on its own
-        self._abandoned: list = []  # what MPI may still write into after a Work failed
-        self._later: list[Work] = []  # done while a callback drove progress: futures to set
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._added = False  # a request came since the thread last looked
-        self.spin_seconds = 0.01
-
-    def add(self, work: Work) -> None:
-        with self._cv:
-            work._tracked = True
-            self._added = True
-            if work._ordered:
-                self._queues[work._group].append(work)
-            else:
-                self._loose.append(work)
-            if self._thread is None:
-                self._start()
-            self._cv.notify()
-
-    def wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
-
-    def before(self, work: Work) -> list[Work]:
-        """The works of ``work``'s group queued before it, not yet done."""
-        if not work._ordered or work._state == "done":
-            return []
-        with self._cv:
-            earlier = []
-            for other in self._queues.get(work._group, ()):
-                if other is work:
-                    return earlier
-                if other._state != "done":
-                    earlier.append(other)
-            return []
-
-    def busy(self, group) -> bool:
-        """Whether ``group`` has operations not yet done."""
-        with self._cv:
-            return any(w._group is group and w._state != "done"
-                       for queue in [*self._queues.values(), self._loose] for w in queue)
-
-    def in_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def expire(self, work: Work) -> None:
-        """Fail ``work`` with the group's timeout error (its deadline has passed)."""
-        with self._cv:
-            if work._state == "done":
-                return
-            self._abandoned.extend(work._fail(work.timeout_error()))
-        self._end_job_if_awaited(work)
-        work._complete_future()
-
-    @staticmethod
-    def _end_job_if_awaited(work: Work) -> None:
-        """A timed-out Work whose future someone already holds ends the job (rule 5).
-
-        torch's C++ DDP reducer waits on that future and crashes (SIGSEGV, torch
-        2.13) when it fails instead of completing, so, as ProcessGroupNCCL does by
-        default (TORCH_NCCL_ASYNC_ERROR_HANDLING), the error is printed and the
-        job torn down. ``wait()`` and futures taken later raise it instead.
-        """
-        if work._future is not None and not work._future_set and _runtime._abort_enabled:
-            _runtime._abort([str(work._error), "a future torch waits on (DDP, a comm hook) "
-                             "timed out: ending the job, as ProcessGroupNCCL does"], 1)
-
-    def abort(self, group, error: BaseException) -> None:
-        """Fail every unfinished Work of ``group`` with ``error``."""
-        with self._cv:
-            failed = [w for queue in [*self._queues.values(), self._loose] for w in queue
-                      if w._group is group and w._state != "done"]
-            for work in failed:
-                self._abandoned.extend(work._fail(error))
-            self._cv.notify()
-        for work in failed:
-            work._complete_future()
-
-    def drive(self, work: Work, deadline: float | None) -> None:
-        """Progress everything on this thread until ``work`` is done (a callback's collective).
-
-        Futures of other Works finished meanwhile are set later by the progress
-        loop, so callbacks never nest.
-        """
-        while work._state != "done":
-            with self._cv:
-                self._later.extend(self._test())
-            if work._state == "done":
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                self.expire(work)
-                break
-            time.sleep(0)
-        work._complete_future()
-
-    def _start(self) -> None:
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mpidp-progress", daemon=True)
-        self._thread.start()
-
-    def _pending(self) -> bool:
-        return bool(self._loose) or any(self._queues.values()) or bool(self._later)
-
-    def _run(self) -> None:
-        slot = _watchdog.slot()
-        sleep, busy_since = 0.0, time.monotonic()
-        while True:
-            with self._cv:
-                while not self._pending() and not self._stopping:
-                    slot.current = None
-                    self._cv.wait()
-                if self._stopping:
-                    slot.current = None
-                    return
-                done = self._later + self._test()
-                self._later = []
-                added, self._added = self._added, False
-                slot.current = self._oldest()
-            for work in done:  # outside the lock: callbacks may issue collectives
-                work._complete_future()
-            now = time.monotonic()
-            if done or added:
-                busy_since, sleep = now, 0.0
-            if now - busy_since < self.spin_seconds:
-                time.sleep(0)  # lets the program's threads take the GIL
-                continue
-            sleep = min(max(2 * sleep, 20e-6), self._MAX_SLEEP)
-            with self._cv:
-                self._cv.wait(sleep)
-
-    def _test(self) -> list[Work]:
-        """Works done now (under the lock). Past its deadline, a Work fails."""
-        done = []
-        now = time.monotonic()
-        for group, queue in list(self._queues.items()):
-            while queue:
-                work = queue[0]
-                chunks = work._chunks
-                if work._state == "pending" and not work._test():
-                    if chunks is not None and chunks.moved:
-                        # a chunk started: keep testing without sleeping (a nonblocking
-                        # collective moves only inside MPI calls)
-                        chunks.moved, self._added = False, True
-                    if work._deadline is not None and now > work._deadline:
-                        self._abandoned.extend(work._fail(work.timeout_error()))
-                        self._end_job_if_awaited(work)
-                    else:
-                        break
-                elif work._state == "claimed":
-                    break
-                queue.popleft()
-                done.append(work)
-            if not queue:
-                del self._queues[group]
-        loose = []
-        for work in self._loose:
-            if work._state == "pending" and not work._test() and (
-                    work._deadline is None or now <= work._deadline):
-                loose.append(work)
-                continue
-            if work._state == "pending":
-                self._abandoned.extend(work._fail(work.timeout_error()))
-                self._end_job_if_awaited(work)
-            if work._state == "claimed":
-                loose.append(work)
-            else:
-                done.append(work)
-        self._loose = loose
-        return done
-
-    def _oldest(self):
-        """The watchdog's record for the oldest pending Work (rule 5), or None."""
-        # collectives only: a receive may wait for a late message on purpose
-        heads = [queue[0] for queue in self._queues.values() if queue]
-        heads = [w for w in heads if w._state == "pending"]
-        if not heads:
-            return None
-        oldest = min(heads, key=lambda w: w._since)
-        return (oldest._label, oldest._since, oldest._scope, True)
-
-    def stop(self) -> None:
-        """At exit, before MPI_Finalize: no MPI call from this thread after it."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        self._thread = None
-
-
-progress = _Progress()

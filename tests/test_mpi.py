@@ -123,6 +123,31 @@ def test_import_where_only_some_ranks_see_a_gpu():
     assert "rank 1: gpu False" in out and "rank 0: gpu True" in out, out
 
 
+@pytest.mark.parametrize("kind", ["count", "dtype", "backend"])
+def test_a_mismatched_allreduce_ends_the_job_naming_it(kind):
+    """Ranks whose allreduce differs in element count or dtype (issue 17, item 5): MPICH ends
+    the process from inside the call, and mpidp's exit report names the collective and
+    MPIDP_DEBUG=1; the backend's all_reduce raises on every rank. Never a silent result."""
+    start = time.monotonic()
+    result = launch.run(2, ["tests/mpi/mismatched_call.py", kind], timeout=120, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert "went on past a mismatched allreduce" not in output, output[-4000:]
+    for rank in (0, 1) if kind == "backend" else (0,):
+        assert f"[mpidp rank {rank}/2]" in output, output[-4000:]
+    assert "allreduce" in output and "MPIDP_DEBUG=1" in output, output[-4000:]
+    print(f"{kind}: ended {time.monotonic() - start:.1f} s after launch")
+
+
+def test_a_mismatched_allreduce_under_debug_raises_on_every_rank():
+    result = launch.run(2, ["tests/mpi/mismatched_call.py", "count"], timeout=120, check=False,
+                        env={"MPIDP_DEBUG": "1"})
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[mpidp rank {rank}/2] ValueError: collective calls differ" in result.stderr, \
+            result.stderr[-4000:]
+
+
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_uncaught_exception_on_one_rank_ends_the_job(nprocs):
     start = time.monotonic()

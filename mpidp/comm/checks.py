@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import _env
+from .. import _args, _env
 from .. import watchdog as _watchdog
-from .dtypes import _DATATYPES
+from .dtypes import _DATATYPES, _DTYPES, OPS as _OPS
 
 
 def _debug_from_env() -> bool:
@@ -53,9 +53,7 @@ def _check_tensor(name: str, tensor, written: bool = False) -> None:
 
 
 def _check_root(root, comm: MPI.Intracomm) -> None:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
-        raise ValueError(f"invalid root {root!r}, root should be in the interval "
-                         f"[0, {comm.Get_size() - 1}]")
+    _args.check_rank("root", root, comm.Get_size())
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -99,3 +97,50 @@ def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields
     raise ValueError(f"collective calls differ across ranks: {made}; every rank must make the "
                      f"same collective calls, with the same op, root, dtype and element count, "
                      f"in the same order")
+
+
+# -- the backend's always-on check of a call's shape ---------------------------------------
+# A collective whose element count or dtype differs across ranks is undefined in MPI:
+# MPICH's blocking form ends the process (mpidp.runtime reports it), but its nonblocking
+# form was seen to complete on every rank with a silently truncated result (2 ranks,
+# all_reduce of 1000 against 1500 floats through torch.distributed). So every
+# collective the torch.distributed backend starts carries a fingerprint of the call,
+# reduced with MAX beside it (values and their negatives: one reduction gives every
+# rank the largest and the smallest of each field). Every rank then sees the same
+# result and decides alike. It costs one small nonblocking allreduce per operation,
+# overlapped with the operation itself.
+
+_CALLS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather",
+          "scatter", "alltoall")
+_FIELDS = ("collective", "element count", "dtype", "op", "root")
+
+
+def fingerprint(call: str, numel: int, dtype: torch.dtype, op: str | None = None,
+                root: int = 0) -> torch.Tensor:
+    """The int64 fingerprint of one call, to be allreduced with MAX (see above)."""
+    values = [_CALLS.index(call), numel, _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+              -1 if op is None else _OPS.index(op), root]
+    return torch.tensor(values + [-v for v in values], dtype=torch.int64)
+
+
+def fingerprint_problem(reduced: torch.Tensor) -> str | None:
+    """None if every rank made the same call, else what differs (the same text on every rank)."""
+    count = len(_FIELDS)
+    high, low = reduced[:count].tolist(), [-v for v in reduced[count:].tolist()]
+    differ = [f"{name} from {_describe(name, lo)} to {_describe(name, hi)}"
+              for name, lo, hi in zip(_FIELDS, low, high) if lo != hi]
+    if not differ:
+        return None
+    return (f"collective calls differ across ranks ({', '.join(differ)}); every rank must "
+            f"make the same collective calls, with the same op, root, dtype and element count, "
+            f"in the same order; run again with MPIDP_DEBUG=1 to have each rank's call named")
+
+
+def _describe(field: str, value: int):
+    if field == "collective":
+        return _CALLS[value] if 0 <= value < len(_CALLS) else value
+    if field == "dtype":
+        return str(_DTYPES[value]).replace("torch.", "") if 0 <= value < len(_DTYPES) else value
+    if field == "op":
+        return _OPS[value] if 0 <= value < len(_OPS) else "none"
+    return value

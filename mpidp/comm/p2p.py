@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from .. import _args
 from .checks import _check_tensor
 from .dtypes import _buffer
 from .handle import Handle
@@ -19,9 +20,7 @@ __all__ = ["send", "recv", "isend", "irecv"]
 
 
 def _check_peer(name: str, peer, comm: MPI.Intracomm) -> None:
-    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < comm.Get_size():
-        raise ValueError(f"invalid {name} {peer!r}, {name} should be in the interval "
-                         f"[0, {comm.Get_size() - 1}]")
+    _args.check_rank(name, peer, comm.Get_size())
     if peer == comm.Get_rank():
         raise ValueError(f"invalid {name} {peer}, {name} should be another rank than this "
                          f"process's own: mpidp refuses messages to oneself (MPI's send to self "
@@ -29,8 +28,7 @@ def _check_peer(name: str, peer, comm: MPI.Intracomm) -> None:
 
 
 def _check_tag(tag) -> None:
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag must be an int >= 0, got {tag!r}")
+    _args.check_int("tag", tag, minimum=0)
 
 
 def send(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> None:

@@ -13,7 +13,7 @@ import threading
 
 from mpi4py import MPI
 
-from .. import _env
+from .. import _args, _env
 from .. import runtime as _runtime
 from .. import watchdog as _watchdog
 
@@ -30,8 +30,7 @@ class Pool:
 
     def __init__(self, comm: MPI.Intracomm | None = None, size: int = 2):
         _runtime.require_mpi()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"pool size must be an int >= 1, got {size!r}")
+        _args.check_int("pool size", size, minimum=1)
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
@@ -65,6 +64,11 @@ class Pool:
         self.comms = []
 
 
+def env_size() -> int:
+    """``MPIDP_POOL_SIZE`` (default 2): the size of the default pool and of a backend group's."""
+    return int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1, integer=True))
+
+
 _default: list = []  # the default pool, once made
 _default_lock = threading.Lock()
 
@@ -81,8 +85,7 @@ def default_pool() -> Pool:
     with _default_lock:
         if not _default:
             _runtime.require_mpi()
-            pool = Pool(MPI.COMM_WORLD, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1,
-                                                        integer=True)))
+            pool = Pool(MPI.COMM_WORLD, env_size())
             _watchdog.start()  # collective over COMM_WORLD, as the pool's creation
             _default.append(pool)
     return _default[0]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import _args
 from .. import watchdog as _watchdog
 from . import checks as _checks
 from .checks import _check_same_call, _check_tensor, _ranks
@@ -40,7 +41,7 @@ def _rows_per_rank(name: str, splits, rows: int, size: int) -> list[int]:
         return [rows // size] * size
     if not isinstance(splits, (list, tuple)) or len(splits) != size:
         raise ValueError(f"{name} must be a list of world size ({size}) row counts, got {splits!r}")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in splits):
+    if not all(_args.is_int(n) and n >= 0 for n in splits):
         raise ValueError(f"{name} must hold ints >= 0, got {list(splits)}")
     if sum(splits) != rows:
         raise ValueError(f"{name} must add up to the first dimension ({rows}), "

@@ -1,0 +1,30 @@
+"""Ranks make an allreduce that differs (element count or dtype): the job must end, saying what.
+
+    mpiexec -n 2 python tests/mpi/mismatched_call.py count|dtype|backend
+
+Without ``MPIDP_DEBUG=1`` nothing compares the calls first; MPICH then ends the
+process from inside the collective (a truncated message), whatever the error handler.
+mpidp's exit report must name the collective and the way on. With ``MPIDP_DEBUG=1``
+(set by the test) every rank raises mpidp's own ValueError before MPI runs the call.
+``backend``: the same through torch.distributed over "mpidp".
+"""
+
+import sys
+
+import torch
+
+import mpidp
+
+rank = mpidp.rank()
+kind = sys.argv[1]
+if kind == "dtype":
+    tensor = torch.ones(1000, dtype=torch.float32 if rank == 0 else torch.float64)
+else:
+    tensor = torch.ones(1000 + 500 * rank)
+if kind == "backend":
+    import torch.distributed as dist
+    mpidp.init_process_group()
+    dist.all_reduce(tensor)
+else:
+    mpidp.comm.allreduce(tensor)
+print(f"rank {rank} went on past a mismatched allreduce: {tensor[:2].tolist()}", flush=True)
