@@ -9,7 +9,10 @@
 3. torch's DDP over "mpidp", one rank skips a step, ``MPIDP_TIMEOUT=8``: the watchdog
    ends the job with a stall report naming the all_reduce (tests/mpi/backend_stall.py).
 4. The same with the group's timeout (4 s): the job ends with torch's DistBackendError
-   naming the timeout; and ``wait()`` on a late peer raises after a 2 s group timeout.
+   naming the timeout; and (5) ``wait()`` on a late peer raises after a 2 s group timeout.
+6, 7. An allreduce whose element count differs across ranks, through mpidp.comm and through
+   torch.distributed (tests/mpi/mismatched_call.py): the job ends naming the collective
+   and ``MPIDP_DEBUG=1``, never a silent result.
 
 Each run is a fresh mpiexec job. A run that passes its check is "ok"; one that ends
 otherwise is "WRONG"; one past --timeout is "HANG". Prints one line per run, then per
@@ -51,6 +54,16 @@ def _stall(mode, needle):
     return run
 
 
+def _mismatch(kind):
+    def run(timeout):
+        result = launch.run(2, ["tests/mpi/mismatched_call.py", kind], timeout, check=False)
+        output = result.stdout + result.stderr
+        named = "allreduce" in output and "MPIDP_DEBUG=1" in output
+        return (result.returncode != 0 and named and "[mpidp rank 0/2]" in output
+                and "went on past a mismatched allreduce" not in output), None
+    return run
+
+
 REPRODUCTIONS = {
     1: ("two DDPs in one backward, thread, shm on, 3 ranks",
         _pytest(3, "two_ddps and thread and True")),
@@ -61,6 +74,10 @@ REPRODUCTIONS = {
         _stall("timeout", "did not complete within the group's timeout of 4 s")),
     5: ("wait() past a 2 s group timeout raises DistBackendError, 2 ranks",
         _pytest(2, "group_timeout_fails_wait")),
+    6: ("mpidp.comm.allreduce of 1000 against 1500 floats (MPICH ends the process)",
+        _mismatch("count")),
+    7: ("torch.distributed all_reduce of 1000 against 1500 floats over mpidp",
+        _mismatch("backend")),
 }
 
 

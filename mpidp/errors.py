@@ -19,6 +19,6 @@ def mpi_failure(call: str, error: BaseException) -> CommunicationError:
     """
     text = str(error).strip() or type(error).__name__
     return CommunicationError(
-        f"mpidp: {call} failed in the MPI library: {text}. The ranks' calls probably differ "
+        f"mpidp: the MPI library failed in {call}: {text}. The ranks' calls probably differ "
         f"(element count, dtype, op, root or the order of collectives); run again with "
         f"MPIDP_DEBUG=1 to have every collective compared across ranks before it runs")

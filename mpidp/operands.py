@@ -62,6 +62,16 @@ def _check_dtypes(name: str, tensors, dtype: torch.dtype) -> None:
         raise TypeError(f"{name}: every tensor must have dtype {dtype}, got {', '.join(bad)}")
 
 
+def _check_world_list(what: str, name: str, tensors, size: int, numel: int,
+                      dtype: torch.dtype) -> None:
+    """``tensors`` is one tensor per rank of a group of ``size``, each of ``numel`` ``dtype``s."""
+    if len(tensors) != size:
+        raise ValueError(f"{what}: {name} must have world size ({size}) tensors, "
+                         f"got {len(tensors)}")
+    _check_same_sizes(f"{what}: {name}", tensors, numel)
+    _check_dtypes(f"{what}: {name}", tensors, dtype)
+
+
 def _unpack(flat: torch.Tensor, outputs):
     """A step that copies consecutive blocks of ``flat`` into ``outputs``."""
     def copy():

@@ -23,7 +23,8 @@ from .chunks import Chunks
 from .comm.chunking import chunk_bytes
 from .comm.staging import _chain
 from .operands import (
-    _as_moved, _check_dtypes, _check_same_sizes, _detached, _flat, _one, _unpack,
+    _as_moved, _check_dtypes, _check_same_sizes, _check_world_list, _detached, _flat, _one,
+    _unpack,
 )
 from .progress import progress as _progress
 
@@ -139,11 +140,8 @@ class Operations:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         tensor = _one(inputs, "allgather")
         outputs = _one(output_lists, "allgather")
-        if len(outputs) != self.size():
-            raise ValueError(f"all_gather: tensor_list must have world size ({self.size()}) "
-                             f"tensors, got {len(outputs)}")
-        _check_same_sizes("all_gather: tensor_list", outputs, tensor.numel())
-        _check_dtypes("all_gather: tensor_list", outputs, tensor.dtype)
+        _check_world_list("all_gather", "tensor_list", outputs, self.size(), tensor.numel(),
+                          tensor.dtype)
         flat = tensor.new_empty((self.size() * tensor.numel(),))
         return self._allgather_flat(opts, flat, tensor, list(outputs), _unpack(flat, outputs))
 
@@ -201,11 +199,8 @@ class Operations:
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         output = _one(outputs, "reduce_scatter")
         inputs = _one(input_lists, "reduce_scatter")
-        if len(inputs) != self.size():
-            raise ValueError(f"reduce_scatter: input_list must have world size ({self.size()}) "
-                             f"tensors, got {len(inputs)}")
-        _check_same_sizes("reduce_scatter: input_list", inputs, output.numel())
-        _check_dtypes("reduce_scatter: input_list", inputs, output.dtype)
+        _check_world_list("reduce_scatter", "input_list", inputs, self.size(), output.numel(),
+                          output.dtype)
         flat = _flat(inputs)
         if len(inputs) == 1 and opts.reduceOp.op == ReduceOp.PREMUL_SUM:
             flat = flat.clone()  # a view of the input, which PREMUL_SUM's factor must not touch

@@ -184,7 +184,12 @@ def local_size() -> int:
 def barrier() -> None:
     """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier``."""
     require_mpi()
-    MPI.COMM_WORLD.Barrier()
+    from . import watchdog  # imports this module: here, not at the top
+    slot = watchdog.begin("mpidp.barrier()")
+    try:
+        MPI.COMM_WORLD.Barrier()
+    finally:
+        slot.current = None
 
 
 # --- abort -----------------------------------------------------------------------------

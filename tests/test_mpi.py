@@ -439,7 +439,8 @@ def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
     assert accuracy > 0.9
 
 
-JOBSCRIPTS = {"slurm-cpu.sh": "srun --cpu-bind=cores", "slurm-gpu.sh": "srun --cpu-bind=cores --gpu-bind",
+JOBSCRIPTS = {"slurm-cpu.sh": "srun --mpi=pmi2 --cpu-bind=cores",
+              "slurm-gpu.sh": "srun --mpi=pmi2 --cpu-bind=cores --gpu-bind",
               "pbs.sh": "mpiexec -n 4 -ppn 2 -bind-to numa",
               "workstation.sh": f"mpiexec -n 2 -bind-to core:{max(1, len(os.sched_getaffinity(0)) // 2)}"}
 
