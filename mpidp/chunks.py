@@ -29,12 +29,14 @@ class Chunks:
             copy that tensor into ``tensor`` (pinned) on the progress thread's side
             stream after the event, polled rather than waited on (rule 6). The caller
             then returns at once, as autograd's thread must to keep queueing the backward.
-        gate: the call's fingerprint check (``mpidp.work.CallCheck``): the first chunk
-            starts once it agrees; a mismatch raises on every rank, no chunk started.
+
+    ``gate``, set by the caller: the call's fingerprint check (``mpidp.work.CallCheck``);
+    the first chunk starts once it agrees, and a mismatch raises on every rank with no
+    chunk started.
     """
 
     def __init__(self, tensor: torch.Tensor, op: str, comm, chunk_bytes: int, *,
-                 stage_from: tuple | None = None, gate=None):
+                 stage_from: tuple | None = None):
         self.pieces = list(_chunking.pieces(tensor, chunk_bytes))
         self.op, self.comm = op, comm
         self._next = 0
@@ -43,7 +45,7 @@ class Chunks:
         self.moved = False  # a chunk started since the progress thread last looked
         self._stage_from = stage_from
         self._staged = None  # the side stream's event once the copy is queued
-        self._gate = gate  # a work.CallCheck: no chunk starts before every rank agrees
+        self.gate = None  # a work.CallCheck: no chunk starts before every rank agrees
 
     def _staging_done(self) -> bool:
         if self._stage_from is None:
@@ -64,10 +66,10 @@ class Chunks:
 
     def advance(self) -> bool:
         """Start the next chunk once the last one is done; True when all are (progress thread)."""
-        if self._gate is not None:
-            if not self._gate.handle.is_completed():
+        if self.gate is not None:
+            if not self.gate.handle.is_completed():
                 return False
-            error, self._gate = self._gate.error(), None
+            error, self.gate = self.gate.error(), None
             if error is not None:  # chunk counts may differ: none starts, on any rank
                 self._next = len(self.pieces)
                 raise error
@@ -94,7 +96,7 @@ class Chunks:
         self._next = len(self.pieces)
 
     def in_flight(self) -> list:
-        gate = [] if self._gate is None else [self._gate.handle]
+        gate = [] if self.gate is None else [self.gate.handle]
         return gate + ([] if self._handle is None else [self._handle])
 
 

@@ -86,17 +86,17 @@ class Operations:
         # move host memory only; the copy back runs in finish, and wait() orders the
         # waiting stream after it (Work._record_events).
         self._check_usable()
-        check = self._call_check(("allreduce", tensor, op, 0))  # gates the first chunk
         if tensor.is_cuda and not _cuda.cuda_aware() and self._async:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
-            chunks = Chunks(host, op, self._chunk_comm, nbytes, stage_from=(tensor, ready),
-                            gate=check)
+            chunks = Chunks(host, op, self._chunk_comm, nbytes, stage_from=(tensor, ready))
             finish = lambda: tensor.copy_(host, non_blocking=True)  # noqa: E731
         else:
             _, (staged,), finish = _comm._stage((tensor,), (tensor,))
-            chunks = Chunks(staged, op, self._chunk_comm, nbytes, gate=check)
+            chunks = Chunks(staged, op, self._chunk_comm, nbytes)
+        # the call check, once staging could no longer fail here; no chunk starts before it
+        chunks.gate = check = self._call_check(("allreduce", tensor, op, 0))
         if not self._async:
             _work.checked_wait([check.handle] if check else [], check, None, [tensor])
             chunks.run()

@@ -62,6 +62,7 @@ from mpi4py import MPI
 
 from . import _env
 from . import comm as _comm
+from .comm import pool as _comm_pool
 from . import runtime as _runtime
 from . import work as _work
 from .operations import Operations
@@ -149,6 +150,9 @@ def _create(common, options):
 # thread tests without sleeping for this long, then backs off (a receive that waits for
 # a late message should not keep a core busy).
 _progress.spin_seconds = _env.number("MPIDP_PROGRESS_SPIN_MS", 10, minimum=0) / 1e3
+# The call check (mpidp.work.CallCheck) doubles a tiny all_reduce's time (bench/check_cost.py);
+# MPIDP_CHECK_CALLS=0 trades it for MPI's undefined behaviour on calls that differ.
+_CHECK_CALLS = _env.flag("MPIDP_CHECK_CALLS", True)
 atexit.register(_progress.stop)  # after mpi4py's import registered MPI_Finalize: runs before it
 os.register_at_fork(after_in_child=lambda: setattr(_progress, "_thread", None))
 
@@ -181,8 +185,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
             raise ValueError(f"the MPI communicator gives rank {comm.Get_rank()} of "
                              f"{comm.Get_size()}, torch asked for rank {rank} of {size}")
         self._mpi = comm
-        self._pool = _comm.Pool(comm, int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1,
-                                                      integer=True)))
+        self._pool = _comm.Pool(comm, _comm_pool.env_size())
         self._async = _runtime.thread_level() >= MPI.THREAD_MULTIPLE
         self._name = ""
         self._desc = ""
@@ -250,7 +253,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
 
     def _call_check(self, check) -> _work.CallCheck | None:
         """Start the fingerprint check of ``check`` = (call, tensor, op, root); None alone."""
-        if check is None or self.size() == 1:
+        if check is None or self.size() == 1 or not _CHECK_CALLS:
             return None
         return _work.CallCheck(*check, self._pool)
 
@@ -260,14 +263,15 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         Complete on return when the caller asked so or below THREAD_MULTIPLE (the
         blocking MPI call); from a future's callback the progress thread drives it
         (mpidp.progress, rule 4). ``check``, (call, tensor, op, root): the call's
-        fingerprint goes first (``mpidp.work.CallCheck``), so ranks whose calls differ
-        in element count, dtype, op or root all raise instead of MPI truncating quietly.
+        fingerprint is started right after it and tested first (``mpidp.work.CallCheck``),
+        so ranks whose calls differ in element count, dtype, op or root all raise instead
+        of MPI truncating quietly.
         """
         self._check_usable()
-        check = self._call_check(check)
         if not self._async:
+            start(False)  # blocking: a mismatch ends it in the library (runtime's report)
+            check = self._call_check(check)
             _work.checked_wait([check.handle] if check else [], check, None, result)
-            start(False)
             if finish is not None:
                 finish()
             return _work.blocking(result) if not opts.asyncOp else _work.Done(result)
@@ -276,6 +280,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         # a then() callback runs inline on one rank, on the progress thread on another):
         # from THREAD_MULTIPLE on, every call starts nonblocking; blocking ones wait here.
         handles = start(True)
+        check = self._call_check(check)  # after: an operation that raised took no pool member
         handles = ([check.handle] if check else []) + (
             handles if isinstance(handles, list) else [handles])
         if not opts.asyncOp and not _progress.in_thread():

@@ -134,18 +134,26 @@ class _Progress:
         self._end_job_if_awaited(work)
         work._complete_future()
 
+    @classmethod
+    def _end_job_if_awaited(cls, work: Work) -> None:
+        """A timed-out Work whose future someone already holds ends the job (rule 5)."""
+        if work._future is not None and not work._future_set:
+            cls.end_job_for(work, "timed out")
+
     @staticmethod
-    def _end_job_if_awaited(work: Work) -> None:
-        """A timed-out Work whose future someone already holds ends the job (rule 5).
+    def end_job_for(work: Work, what: str) -> None:
+        """End the job for a failed Work whose future was taken while it was pending.
 
         torch's C++ DDP reducer waits on that future and crashes (SIGSEGV, torch
-        2.13) when it fails instead of completing, so, as ProcessGroupNCCL does by
-        default (TORCH_NCCL_ASYNC_ERROR_HANDLING), the error is printed and the
-        job torn down. ``wait()`` and futures taken later raise it instead.
+        2.13) when it fails instead of completing: seen with a timeout, and with a
+        call check that found another rank's all_reduce of a different size. So, as
+        ProcessGroupNCCL does by default (TORCH_NCCL_ASYNC_ERROR_HANDLING), the error
+        is printed and the job torn down. ``wait()`` and futures taken later raise it.
+        With the abort off (``MPIDP_ABORT_ON_EXCEPTION=0``) the future fails instead.
         """
-        if work._future is not None and not work._future_set and _runtime._abort_enabled:
-            _runtime._abort([str(work._error), "a future torch waits on (DDP, a comm hook) "
-                             "timed out: ending the job, as ProcessGroupNCCL does"], 1)
+        if _runtime._abort_enabled:
+            _runtime._abort([str(work._error), f"a future torch waits on (DDP, a comm hook) "
+                             f"{what}: ending the job, as ProcessGroupNCCL does"], 1)
 
     def abort(self, group, error: BaseException) -> None:
         """Fail every unfinished Work of ``group`` with ``error``."""

@@ -225,6 +225,7 @@ def _unread_bytes(fd: int) -> int:
 
 def _abort(lines: list[str], status: int) -> None:
     """Print ``lines`` on stderr, each prefixed with the rank, let them reach the user, abort."""
+    _library_exit["quiet"] = True  # these lines say why; MPI may exit() the process meanwhile
     prefix = f"[mpidp rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}] "
     text = "".join(prefix + line + "\n" for block in lines for line in block.splitlines())
     for stream in (sys.stdout, sys.stderr):  # what the program printed comes first
@@ -241,7 +242,6 @@ def _abort(lines: list[str], status: int) -> None:
     while (_unread_bytes(1) or _unread_bytes(2)) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(_GRACE_SECONDS)
-    _library_exit["quiet"] = True  # the lines above say why; MPI_Abort may exit() through it
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)  # MPI_Abort was seen to return when called from a thread (MPICH 5.0)
 

@@ -167,3 +167,40 @@ def test_mpi_failure_names_the_call_and_the_way_on():
     text = str(error)
     assert "allreduce op=sum dtype=float32 count=10" in text and "MPIDP_DEBUG=1" in text
     assert isinstance(error, RuntimeError)
+
+
+@pytest.mark.parametrize("numel", [10, (4 << 20) // 4 + 5])  # whole, and in chunks
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_call_that_differs_raises_on_every_rank_and_the_group_goes_on(numel, async_op):
+    """The backend's call check (issue 17, item 5): an all_reduce whose element count differs
+    across ranks raises the same error on every rank, where MPICH's nonblocking form returned a
+    truncated sum; the group's next operations are right."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    tensor = torch.ones(numel + 7 * (RANK % 2))
+    with pytest.raises(_work.CallMismatch, match=r"element count from \d+ to \d+") as caught:
+        work = dist.all_reduce(tensor, async_op=async_op)
+        if async_op:
+            work.wait()
+    texts = MPI.COMM_WORLD.allgather(str(caught.value))
+    assert texts.count(texts[0]) == SIZE, texts
+    tensor = torch.ones(100)
+    dist.all_reduce(tensor)
+    assert torch.all(tensor == SIZE)
+
+
+def test_broadcast_reduce_and_reduce_scatter_calls_that_differ_raise_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(_work.CallMismatch, match="root from 0 to 1"):
+        dist.broadcast(torch.ones(4), src=RANK % 2)
+    with pytest.raises(_work.CallMismatch, match="dtype from float"):
+        dist.reduce(torch.ones(4, dtype=[torch.float32, torch.float64][RANK % 2]), dst=0)
+    with pytest.raises(_work.CallMismatch, match="op from sum to max"):
+        dist.all_reduce(torch.ones(4), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][RANK % 2])
+    out = torch.empty(3 + RANK % 2)
+    with pytest.raises(_work.CallMismatch, match="element count"):
+        dist.reduce_scatter_tensor(out, torch.ones(out.numel() * SIZE))
+    tensor = torch.full((5,), float(RANK))
+    dist.all_reduce(tensor)
+    assert torch.all(tensor == sum(range(SIZE)))
