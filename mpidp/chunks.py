@@ -89,17 +89,20 @@ class Chunks:
             self.moved = True
 
     def _test_in_flight(self) -> bool:
-        """Test the chunk in flight back to back for up to _BURST_SECONDS; True once done.
+        """Test the chunk in flight back to back for up to ``burst_seconds``; True once done.
 
         MPICH moves a large nonblocking allreduce on only inside a test, and the
         progress loop yields the core between two of its rounds (time.sleep(0)): with
         two ranks' progress threads and the launcher on 2 cores, one round took 100-600
         us, so a 4 MiB chunk took 1-2 ms against 0.48 ms tested back to back, and a
         16 MiB all_reduce 6-7 ms against 8d46a97's blocking 3.4-6 ms. A burst is still
-        bounded: the progress thread never blocks (mpidp.progress, rule 3).
+        bounded: the progress thread never blocks (mpidp.progress, rule 3). Where a
+        node holds more ranks than cores, a burst keeps a core from the peer whose turn
+        it is (3 ranks on 2 cores: a test of many small chunks went from 9 to 22 s), so
+        ``set_burst`` turns it off there.
         """
         request = self._handle
-        until = time.perf_counter() + _BURST_SECONDS
+        until = time.perf_counter() + burst_seconds
         while not request.is_completed():
             if time.perf_counter() > until:
                 return False
@@ -119,7 +122,13 @@ class Chunks:
         return gate + ([] if self._handle is None else [self._handle])
 
 
-_BURST_SECONDS = 2e-3  # testing the chunk in flight per advance(), at most
+burst_seconds = 2e-3  # testing the chunk in flight per advance(), at most (set_burst)
+
+
+def set_burst(ranks_on_node: int, cores: int) -> None:
+    """Test chunks in bursts only where every rank of the node can have a core of its own."""
+    global burst_seconds
+    burst_seconds = 2e-3 if ranks_on_node <= cores else 0.0
 
 _side_streams: dict = {}  # device -> the progress thread's staging stream (that thread only)
 

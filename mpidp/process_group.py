@@ -64,6 +64,7 @@ from . import _env
 from . import comm as _comm
 from .comm import pool as _comm_pool
 from . import runtime as _runtime
+from . import chunks as _chunks
 from . import work as _work
 from .operations import Operations
 from .progress import progress as _progress
@@ -185,6 +186,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
             raise ValueError(f"the MPI communicator gives rank {comm.Get_rank()} of "
                              f"{comm.Get_size()}, torch asked for rank {rank} of {size}")
         self._mpi = comm
+        _chunks.set_burst(_runtime.local_size(), os.cpu_count() or 1)  # collective, cached
         self._pool = _comm.Pool(comm, _comm_pool.env_size())
         self._async = _runtime.thread_level() >= MPI.THREAD_MULTIPLE
         self._name = ""
