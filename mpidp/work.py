@@ -61,8 +61,9 @@ class CallCheck:
     started (its arguments) took no pool member and starts no check. It completes as
     soon as every rank has started it, whatever the operation does, so a Work tests it
     first. Then ``error()`` is the same on every rank: None, or the ValueError that
-    names what differs. A raw mpi4py Iallreduce of a numpy buffer: through
-    ``mpidp.comm`` it cost a small all_reduce about 3x its time.
+    names what differs. A raw mpi4py Iallreduce of a numpy buffer, without mpidp.comm's
+    checks and staging; it still costs a tiny all_reduce 2-4x its time
+    (bench/check_cost.py), mostly the second request's test loop (MPIDP_CHECK_CALLS=0).
     """
 
     _LABEL = "the call check of a torch.distributed operation (allreduce of 10 int64)"
