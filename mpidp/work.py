@@ -15,11 +15,13 @@ import datetime
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 from . import comm as _comm
+from . import errors as _errors
 from .comm import checks as _checks
 from . import watchdog as _watchdog
 from .chunks import Chunks
@@ -62,21 +64,45 @@ class CallCheck:
     soon as every rank has started it, whatever the operation does, so a Work tests it
     first. Then ``error()`` is the same on every rank: None, or the ValueError that
     names what differs. A raw mpi4py Iallreduce of a numpy buffer, without mpidp.comm's
-    checks and staging; it still costs a tiny all_reduce 2-4x its time
-    (bench/check_cost.py), mostly the second request's test loop (MPIDP_CHECK_CALLS=0).
+    checks and staging, tested with the operation's requests in one ``MPI_Testall``
+    (``checked_wait``); its cost is in bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it).
     """
 
     _LABEL = "the call check of a torch.distributed operation (allreduce of 10 int64)"
+    _scope = None  # what the watchdog names it under: the operation's own label says it all
 
     def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool):
         self.call = call
-        self.reduced = _checks.fingerprint(call, tensor.numel(), tensor.dtype, op, root)
-        request = _comm._collective_comm(pool).Iallreduce(
+        self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
+        self.reduced = np.frombuffer(bytearray(self._own), np.int64)
+        self._request = _comm._collective_comm(pool).Iallreduce(
             MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
-        self.handle = _comm.Handle(request, self.reduced, self.reduced, label=self._LABEL)
+        self._label = self._LABEL
+
+    @property
+    def handle(self) -> "CallCheck":
+        """What a Work tests and waits on like an ``mpidp.comm.Handle``: the check itself
+        (a Handle costs a microsecond more per call, on every call)."""
+        return self
+
+    def is_completed(self) -> bool:
+        try:
+            return self._request.Test()
+        except MPI.Exception as error:
+            raise _errors.mpi_failure(self._LABEL, error) from error
+
+    def wait(self) -> np.ndarray:
+        slot = _watchdog.begin(self._LABEL, None, True)
+        try:
+            self._request.Wait()
+        except MPI.Exception as error:
+            raise _errors.mpi_failure(self._LABEL, error) from error
+        finally:
+            slot.current = None
+        return self.reduced
 
     def error(self) -> CallMismatch | None:
-        problem = _checks.fingerprint_problem(self.reduced)
+        problem = _checks.fingerprint_problem(self.reduced, self._own)
         return None if problem is None else CallMismatch(f"{self.call}: {problem}")
 
 
@@ -88,7 +114,18 @@ def abandon(kept: list) -> None:
 
 def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> None:
     """Wait on ``handles`` in order; once ``check``'s request (the first) is done, raise its
-    error, the others' requests abandoned with ``result`` (a mismatched call may never end)."""
+    error, the others' requests abandoned with ``result`` (a mismatched call may never end).
+
+    Most calls end within the first microseconds: a spin of ``MPI_Testall`` over the raw
+    requests, one C call a round, finds that (bench/check_cost.py: a blocking all_reduce of
+    4 bytes took 42 us with two handles tested in turn). Testall completes all or none, so
+    what is still pending after the spin goes the ordered way, check first.
+    """
+    if len(handles) > 1 and _all_done_soon(handles):
+        error = check.error() if check is not None else None
+        if error is not None:  # every request is done: none is left to abandon
+            raise error
+        return
     for index, handle in enumerate(handles):
         wait_request(handle, deadline)
         if check is not None and handle is check.handle:
@@ -96,6 +133,26 @@ def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> No
             if error is not None:
                 abandon([handles[index + 1:], result])
                 raise error
+
+
+_FAST_SPIN_SECONDS = 200e-6  # longer waits go request by request (watchdog, deadline)
+
+
+def _all_done_soon(handles: list) -> bool:
+    """Spin ``MPI_Testall`` on the handles' requests briefly; True when all are done (and settled)."""
+    requests = [handle._request for handle in handles]
+    if any(request is None for request in requests):
+        return False
+    until = time.perf_counter() + _FAST_SPIN_SECONDS
+    try:
+        while not MPI.Request.Testall(requests):
+            if time.perf_counter() > until:
+                return False
+    except MPI.Exception:
+        return False  # the ordered way tests each one and names the one that failed
+    for handle in handles:
+        handle.is_completed()  # a freed request tests done at once: runs its finish
+    return True
 
 
 class Work(dist.Work):
@@ -230,6 +287,8 @@ class Work(dist.Work):
         if self._state != "done":
             if progress.in_thread():
                 progress.drive(self, deadline)  # a callback's collective (rule 4)
+            elif self._chunks is not None and self._chunks.host_only and self._claim():
+                self._drive_claimed(deadline, explicit is not None)
             elif self._chunks is not None or not self._claim():
                 self._sleep_until_done(deadline, explicit is not None)
             else:
@@ -256,15 +315,53 @@ class Work(dist.Work):
             if self._finish is not None:
                 self._finish()
         except TimeoutError:
-            with progress.lock:
-                self._state = "pending"  # the progress thread (or a later wait) goes on
-            progress.wake()
-            if explicit:
-                raise
-            progress.expire(self)
+            self._unclaim(explicit)
             return
         except Exception as error:
             self._error = error
+        self._finish_claimed()
+
+    def _drive_claimed(self, deadline, explicit: bool) -> None:
+        """Start and test this chunked Work's chunks on this thread until done (rule 3).
+
+        The caller waits on it, so every earlier Work of its group is done
+        (``wait()``): it heads the group's queue, the one whose chunks may start, and
+        claimed it is the progress thread's no more. Handing it over cost 16-64 MiB
+        all_reduces 1.16x (the progress thread's wake-ups and rounds between chunks).
+        Tests without sleeping as ``wait_request`` does, then backs off.
+        """
+        chunks = self._chunks
+        try:
+            spin_until, sleep = time.monotonic() + _SPIN_SECONDS, 0.0
+            while not chunks.advance():
+                now = time.monotonic()
+                if chunks.moved:
+                    chunks.moved, spin_until, sleep = False, now + _SPIN_SECONDS, 0.0
+                if deadline is not None and now > deadline:
+                    raise TimeoutError
+                if now > spin_until:
+                    sleep = min(max(2 * sleep, 20e-6), 1e-3)
+                    time.sleep(sleep)
+            if self._finish is not None:
+                self._finish()
+        except TimeoutError:
+            self._unclaim(explicit)
+            return
+        except Exception as error:
+            self._error = error
+        self._finish_claimed()
+
+    def _unclaim(self, explicit: bool) -> None:
+        """Past the deadline: give the Work back to the progress thread, or fail it."""
+        with progress.lock:
+            self._state = "pending"  # the progress thread (or a later wait) goes on
+        progress.wake()
+        if explicit:
+            raise TimeoutError(f"Work.wait: {self.describe()} did not complete within the "
+                               f"timeout (it goes on; wait again to finish it)")
+        progress.expire(self)
+
+    def _finish_claimed(self) -> None:
         with progress.lock:
             self._set_done()
         progress.wake()  # the group's queue may move on

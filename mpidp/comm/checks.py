@@ -16,6 +16,8 @@ instead of hanging or corrupting memory.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -121,14 +123,28 @@ _OP_CODES = {name: code for code, name in enumerate(_OPS)}
 
 def fingerprint(call: str, numel: int, dtype: torch.dtype, op: str | None = None,
                 root: int = 0) -> np.ndarray:
-    """The int64 fingerprint of one call, to be allreduced with MAX (see above)."""
+    """The int64 fingerprint of one call, to be allreduced with MAX (see above); a new array."""
+    return np.frombuffer(bytearray(_fingerprint_bytes(call, numel, dtype, op, root)), np.int64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint_bytes(call: str, numel: int, dtype: torch.dtype, op: str | None,
+                       root: int) -> bytes:
+    # a program repeats a few shapes: cached, a fingerprint costs a dict lookup and a copy
     values = (_CALL_CODES[call], numel, _DTYPE_CODES.get(dtype, -1),
               -1 if op is None else _OP_CODES.get(op, -2), root)
-    return np.array(values + tuple(-v for v in values), dtype=np.int64)
+    return np.array(values + tuple(-v for v in values), dtype=np.int64).tobytes()
 
 
-def fingerprint_problem(reduced: np.ndarray) -> str | None:
-    """None if every rank made the same call, else what differs (the same text on every rank)."""
+def fingerprint_problem(reduced: np.ndarray, own: bytes | None = None) -> str | None:
+    """None if every rank made the same call, else what differs (the same text on every rank).
+
+    ``own``, this rank's fingerprint as bytes, makes the common case one comparison: the
+    reduction equals it exactly when every rank's is the same (MAX of the values and of
+    their negatives gives the largest and the smallest of each field).
+    """
+    if own is not None and reduced.tobytes() == own:
+        return None
     count = len(_FIELDS)
     high, low = reduced[:count], -reduced[count:]
     if np.array_equal(high, low):
