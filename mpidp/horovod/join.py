@@ -1,0 +1,85 @@
+"""``hvd.join()``: a rank out of data serves the others' collectives until every rank joins.
+
+The joined rank answers each control message of the global process set (see
+``requests``) with the matching collective: zeros to an allreduce or a
+reducescatter (the identity of min, max or product to those), no rows to an
+allgather, a receive to a broadcast, and the barrier. Its inputs live on the
+CPU, or on ``device`` if given. ``Average`` still divides by the size of the
+set, as Horovod does, so joined ranks count as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _args
+from .. import comm as _comm
+from . import process_sets as _sets
+from . import requests as _requests
+from .reductions import launch_reducescatter, process_set_of
+
+__all__ = ["join"]
+
+_OPS = {code: op for op, code in _requests.OP_CODES.items()}
+
+
+def _identity(shape, dtype: torch.dtype, op: str, device) -> torch.Tensor:
+    if op == "sum":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if op == "prod":
+        return torch.ones(shape, dtype=dtype, device=device)
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return torch.full(shape, info.max if op == "min" else info.min, dtype=dtype, device=device)
+
+
+def _serve(message: _requests.Descriptor, process_set, device) -> None:
+    comm = process_set.data
+    kind = message.kind
+    if kind == _requests.ALLREDUCE:
+        _comm.iallreduce(_identity(message.shape, message.dtype, _OPS[message.op], device),
+                         _OPS[message.op], comm=comm).wait()
+    elif kind == _requests.ALLGATHER:
+        empty = torch.empty((0, *message.shape), dtype=message.dtype, device=device)
+        _comm.iallgatherv(empty, comm=comm).wait()
+    elif kind == _requests.REDUCESCATTER:
+        zeros = torch.zeros(message.shape, dtype=message.dtype, device=device)
+        for handle in launch_reducescatter(zeros, message.shape[0], process_set)[0]:
+            handle.wait()
+    elif kind == _requests.BARRIER:
+        _comm.ibarrier(comm=comm).wait()
+    elif kind == _requests.BROADCAST and message.root not in message.joined:
+        received = torch.empty(message.shape, dtype=message.dtype, device=device)
+        _comm.ibroadcast(received, message.root, comm=comm).wait()
+    else:  # the active ranks raise the same error (see requests.negotiate)
+        raise _requests.joined_error(kind, message.joined, message.root)
+
+
+def join(device: int = -1) -> int:
+    """Serve the other ranks' collectives until every rank has called ``join`` (collective).
+
+    Args:
+        device: the CUDA device for the inputs a joined rank contributes, or -1 for the CPU.
+
+    Returns:
+        The rank that joined last.
+
+    Raises:
+        ValueError: on every rank, if an active rank calls a collective that joined
+            ranks cannot serve (alltoall, the object collectives, a broadcast from a
+            joined rank).
+    """
+    _args.check_int("device", device, minimum=-1)
+    process_set = process_set_of(_sets.global_process_set)
+    where = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    first = True
+    while True:
+        with process_set.lock:
+            control = _requests.Control(process_set, _requests.control_message(
+                process_set, _requests.JOIN, joined=True, new=first))
+        first = False
+        message = control.wait("join")
+        if not message.active:
+            return max(message.new)
+        if message.disputed:  # the active ranks' calls differ: raise what they raise
+            raise _requests.dispute(process_set, message.kind, None)
+        _serve(message, process_set, where)

@@ -1,0 +1,316 @@
+"""``hvd.DistributedOptimizer``: gradients averaged over the ranks, started during backward.
+
+Horovod's semantics: each parameter's gradient hook counts down
+``backward_passes_per_step``; when it reaches 0 the gradient is ready to be
+reduced. ``step()`` calls ``synchronize()`` first, which starts what has not
+started (a parameter without a gradient gets zeros), waits for everything and
+writes the results into ``p.grad``; ``with optimizer.skip_synchronize():``
+lets a script that called ``synchronize()`` itself (to clip gradients, say)
+step without a second one. Accumulated gradients are summed over the passes,
+then averaged over the ranks, as in Horovod.
+
+**Order.** Horovod's coordinator negotiates which gradients every rank has
+ready. mpidp decides from facts every rank shares instead: the gradients are
+grouped into buckets in a fixed order (reverse registration order, which the
+backward pass roughly follows, by ``mpidp.buckets.assign_buckets``, up to
+``HOROVOD_FUSION_THRESHOLD`` bytes, default mpidp DDP's 25 MiB after a 1 MiB
+first bucket; or the ``groups`` given), and bucket ``b`` starts only once all of
+its gradients are ready and every bucket before it has started. So every rank
+starts the same allreduces in the same order, whatever order its hooks fire in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from numbers import Real
+
+import torch
+
+from .. import _args
+from ..buckets import Bucket, assign_buckets
+from ..ddp_options import FIRST_BUCKET_MB
+from . import process_sets as _sets
+from . import requests as _requests
+from . import settings as _settings
+from .compression import Compression
+from .reductions import Average, Sum, allreduce_async_, resolve_op
+
+__all__ = ["DistributedOptimizer"]
+
+_MB = 1 << 20
+_DEFAULT_CAP = 25 * _MB  # mpidp DDP's bucket_cap_mb
+
+
+def _names(optimizer, named_parameters) -> dict:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{k}" for k, p in enumerate(params)}
+    named = list(named_parameters)
+    if not all(isinstance(item, tuple) and len(item) == 2 for item in named):
+        raise ValueError("named_parameters must be a list of (name, parameter) tuples, "
+                         "such as model.named_parameters()")
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(duplicates)}")
+    by_id = {id(p): name for name, p in named}
+    unnamed = [k for k, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"named_parameters was given, but the optimizer's parameters number(s) "
+                         f"{unnamed} (in param_groups order) are not in it")
+    return {p: by_id[id(p)] for p in params}
+
+
+def _check_groups(groups, params: list) -> list[list[int]] | None:
+    """Buckets from ``groups`` (an int: that many equal groups; a list of parameter lists)."""
+    if groups is None or groups == 0:
+        return None
+    order = list(reversed(range(len(params))))
+    if _args.is_int(groups):
+        if groups < 0:
+            raise ValueError(f"groups must be None, an int >= 0 or a list of parameter lists, "
+                             f"got {groups}")
+        count = min(groups, len(order))
+        return [order[k * len(order) // count:(k + 1) * len(order) // count]
+                for k in range(count)]
+    index = {id(p): k for k, p in enumerate(params)}
+    buckets, seen = [], set()
+    for group in groups:
+        members = [index.get(id(p)) for p in group]
+        if None in members or seen.intersection(members) or len(set(members)) != len(members):
+            raise ValueError("groups must be lists of the optimizer's parameters that need "
+                             "gradients, each in one group at most")
+        seen.update(members)
+        buckets.append(sorted(members, reverse=True))
+    buckets.extend([k] for k in order if k not in seen)
+    first = {k: position for position, k in enumerate(order)}
+    return sorted(buckets, key=lambda members: first[members[0]])
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer: its ``param_groups``, ``state`` and methods are the wrapped one's."""
+
+    def __init__(self, optimizer, names, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        # No Optimizer.__init__: the wrapped optimizer keeps its groups and state.
+        self._optimizer = optimizer
+        self._names, self._compression = names, compression
+        self._passes, self._op = backward_passes_per_step, op
+        self._predivide, self._sparse_as_dense = gradient_predivide_factor, sparse_as_dense
+        self._process_set, self._groups = process_set, groups
+        self._lock = threading.Lock()
+        self._hooks = []
+        self._should_synchronize, self._synchronized = True, False
+        self._layout()
+
+    # the wrapped optimizer's attributes
+    param_groups = property(lambda self: self._optimizer.param_groups,
+                            lambda self, value: setattr(self._optimizer, "param_groups", value))
+    state = property(lambda self: self._optimizer.state,
+                     lambda self, value: setattr(self._optimizer, "state", value))
+    defaults = property(lambda self: self._optimizer.defaults,
+                        lambda self, value: setattr(self._optimizer, "defaults", value))
+
+    def __getattr__(self, name):
+        if name == "_optimizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"hvd.DistributedOptimizer({self._optimizer!r})"
+
+    def _layout(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        buckets = _check_groups(self._groups, params)
+        if buckets is None:
+            cap = _settings.fusion_threshold(_DEFAULT_CAP)
+            buckets = assign_buckets([p.numel() * p.element_size() for p in params],
+                                     [(p.dtype, p.device) for p in params], max(cap, 1),
+                                     max(min(cap, int(FIRST_BUCKET_MB * _MB)), 1))
+        for members in buckets:
+            if len({(params[k].dtype, params[k].device) for k in members}) > 1:
+                raise ValueError("a group of parameters must share one dtype and device, got "
+                                 + ", ".join(f"{self._names[params[k]]}: {params[k].dtype} on "
+                                             f"{params[k].device}" for k in members))
+        self._params = params
+        self._buckets = [[params[k] for k in members] for members in buckets]
+        self._bucket_of = {id(p): b for b, members in enumerate(self._buckets) for p in members}
+        self._flat = [Bucket(members) if len(members) > 1 else None for members in self._buckets]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._delay = {id(p): self._passes for p in self._params}
+        self._waiting = [len(members) for members in self._buckets]
+        self._next = 0
+        self._handles: dict[int, tuple] = {}
+        self._hooked = False  # a hook ran since the last synchronize
+
+    def _hook(self, param: torch.Tensor) -> None:
+        with self._lock:
+            key = id(param)
+            self._hooked = True
+            if self._delay[key] <= 0:
+                raise RuntimeError(
+                    f"the gradient of {self._names[param]} was computed more than "
+                    f"backward_passes_per_step ({self._passes}) times before step(); raise "
+                    f"backward_passes_per_step to accumulate gradients locally")
+            self._delay[key] -= 1
+            if self._delay[key] == 0:
+                self._waiting[self._bucket_of[key]] -= 1
+                while self._next < len(self._buckets) and self._waiting[self._next] == 0:
+                    self._start(self._next)
+
+    def _gradient(self, param: torch.Tensor) -> torch.Tensor:
+        if param.grad is None:  # unused here; another rank may have one
+            param.grad = torch.zeros_like(param)
+        elif param.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError(f"the gradient of {self._names[param]} is sparse: pass "
+                                 f"sparse_as_dense=True to DistributedOptimizer (mpidp.horovod "
+                                 f"has no sparse allreduce)")
+            param.grad = param.grad.to_dense()
+        return param.grad
+
+    def _start(self, b: int) -> None:
+        self._next = b + 1
+        if not self._process_set.included():
+            return
+        members, flat = self._buckets[b], self._flat[b]
+        grads = [self._gradient(p) for p in members]
+        if flat is None:
+            tensor = grads[0]
+        else:
+            for view, grad in zip(flat.views, grads):
+                view.copy_(grad)
+            tensor = flat.buffer
+        compressed, context = self._compression.compress(tensor)
+        scales = (1 / self._predivide, self._predivide) if self._op == Average else (1.0, 1.0)
+        handle = allreduce_async_(compressed, name=self._names[members[0]], op=self._op,
+                                  prescale_factor=scales[0], postscale_factor=scales[1],
+                                  process_set=self._process_set)
+        self._handles[b] = (handle, context)
+
+    def synchronize(self) -> None:
+        """Start the reductions not started yet, wait for all, and write the results into ``p.grad``."""
+        with self._lock:
+            while self._next < len(self._buckets):
+                self._start(self._next)
+            try:
+                for b, (handle, context) in self._handles.items():
+                    result = self._compression.decompress(_requests.synchronize(handle), context)
+                    flat, members = self._flat[b], self._buckets[b]
+                    if flat is None:
+                        if result is not members[0].grad:
+                            members[0].grad.copy_(result.view_as(members[0].grad))
+                        continue
+                    offset = 0
+                    for param in members:
+                        numel = param.numel()
+                        param.grad.copy_(result[offset:offset + numel].view_as(param.grad))
+                        offset += numel
+            finally:
+                self._reset()
+            self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Within it, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize (unless within ``skip_synchronize``), then step the wrapped optimizer."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): the gradients are reduced twice. "
+                              "Step inside `with optimizer.skip_synchronize():`", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; refused while reductions of them are pending."""
+        if self._hooked:
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the pending "
+                               "reductions would write into the zeroed gradients")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group to the wrapped optimizer; its parameters get hooks and buckets too."""
+        if self._hooked:
+            raise RuntimeError("add_param_group while gradient reductions are pending: call "
+                               "step() or synchronize() first")
+        self._optimizer.add_param_group(param_group)
+        for k, p in enumerate(param_group["params"] if isinstance(
+                param_group["params"], (list, tuple)) else [param_group["params"]]):
+            self._names.setdefault(p, f"allreduce.noname.group{len(self.param_groups)}.{k}")
+        self._layout()
+
+    def state_dict(self):
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,  # noqa: N802 (Horovod's name)
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=_sets.global_process_set):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over the ranks.
+
+    Args:
+        optimizer: a torch optimizer, built over the model's parameters on every rank alike.
+        named_parameters: ``model.named_parameters()``, to name the reductions (optional).
+        compression: ``hvd.Compression.none``, ``fp16`` or ``bf16`` (or a ``Compressor``).
+        backward_passes_per_step: backward passes accumulated locally per ``step()``.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: with ``Average``, divide by it before the sum and by
+            size / it after.
+        num_groups: deprecated spelling of ``groups=int``.
+        groups: an int (that many equal groups of parameters, each one message) or a list
+            of lists of parameters, each reduced as one message.
+        sparse_as_dense: reduce sparse gradients as dense ones.
+        process_set: the ranks to average over (default: all).
+
+    Returns:
+        An optimizer (a ``torch.optim.Optimizer``) that wraps ``optimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is a DistributedOptimizer already; wrap the torch optimizer once")
+    op = resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum for DistributedOptimizer, got {op!r}")
+    _args.check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, Real) \
+            or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, "
+                         f"got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1 and op != Average:
+        raise ValueError(f"gradient_predivide_factor must be 1 unless op=hvd.Average, "
+                         f"got {gradient_predivide_factor} with op=hvd.Sum")
+    _args.check_bool("sparse_as_dense", sparse_as_dense)
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"compression must be hvd.Compression.none, .fp16, .bf16 or a "
+                        f"Compressor, got {compression!r}")
+    if num_groups and groups is not None:
+        raise ValueError("give groups or the deprecated num_groups, not both")
+    if not isinstance(process_set, _sets.ProcessSet) or process_set.process_set_id is None:
+        raise ValueError(f"process_set must be a registered hvd.ProcessSet, got {process_set!r}")
+    return _DistributedOptimizer(optimizer, _names(optimizer, named_parameters), compression,
+                                 backward_passes_per_step, op, gradient_predivide_factor,
+                                 groups if groups is not None else num_groups,
+                                 sparse_as_dense, process_set)

@@ -1,0 +1,155 @@
+"""Process sets: subsets of the ranks that run collectives among themselves.
+
+A ``ProcessSet`` names ranks of the communicator ``hvd.init`` was given. Once
+registered (by ``hvd.init(process_sets=...)`` or ``add_process_set``, which are
+collective over every rank, in the same order everywhere, as in Horovod), each
+member holds two duplicates of the set's communicator: one for the data of the
+set's collectives and one for their control messages (``requests``). The communicators are mpidp's own, so the set's traffic
+never mixes with other traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mpi4py import MPI
+
+from .. import _args
+from .. import agreement as _agreement
+
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+
+
+class ProcessSet:
+    """Ranks that run collectives among themselves (``process_set=`` on every collective).
+
+    Args:
+        ranks_or_comm: the ranks (of the communicator ``hvd.init`` was given), or an
+            mpi4py communicator whose ranks they are (translated when registered).
+    """
+
+    def __init__(self, ranks_or_comm):
+        self._given = None
+        if isinstance(ranks_or_comm, MPI.Comm):
+            self._given, self.ranks = ranks_or_comm, None
+        else:
+            try:
+                ranks = sorted(ranks_or_comm)
+            except TypeError:
+                raise TypeError(f"ranks_or_comm must be a list of ranks or an mpi4py "
+                                f"communicator, got {ranks_or_comm!r}") from None
+            if not ranks or not all(_args.is_int(r) and r >= 0 for r in ranks) \
+                    or len(set(ranks)) != len(ranks):
+                raise ValueError(f"ranks_or_comm must hold distinct ranks >= 0, at least one, "
+                                 f"got {list(ranks_or_comm)}")
+            self.ranks = ranks
+        self.process_set_id = None
+        self.comm = self.data = self.control = None  # set on members when registered
+        self.lock = threading.Lock()  # a collective's control and data messages start together
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+    def included(self) -> bool:
+        """Whether this rank belongs to the set (False before it is registered)."""
+        return self.data is not None
+
+    def size(self) -> int | None:
+        """Number of ranks in the set (None before it is registered)."""
+        return None if self.ranks is None or self.process_set_id is None else len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This rank's rank within the set (None where it is not a member)."""
+        return self.data.Get_rank() if self.data is not None else None
+
+    def _attach(self, comm: MPI.Intracomm, process_set_id: int) -> None:
+        self.process_set_id = process_set_id
+        if comm != MPI.COMM_NULL:
+            self.comm, self.data, self.control = comm, comm.Dup(), comm.Dup()
+
+    def _detach(self) -> None:
+        for comm in (self.data, self.control, self.comm):
+            if comm is not None and comm != MPI.COMM_NULL:
+                comm.Free()
+        self.comm = self.data = self.control = None
+        self.process_set_id = None
+
+
+global_process_set = ProcessSet([0])  # its ranks are set by hvd.init
+_registry: dict[int, ProcessSet] = {}
+
+
+def _translate(given: MPI.Comm, world: MPI.Intracomm) -> list[int] | None:
+    if given == MPI.COMM_NULL:
+        return None
+    ranks = MPI.Group.Translate_ranks(given.Get_group(), list(range(given.Get_size())),
+                                      world.Get_group())
+    return sorted(ranks)
+
+
+def _register(process_set: ProcessSet, world: MPI.Intracomm) -> ProcessSet:
+    """Collective over ``world``: check every rank names the same set, then make its communicators."""
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet or a list of ranks, "
+                        f"got {type(process_set).__name__}")
+    ranks = process_set.ranks
+    if process_set._given is not None:
+        ranks = _translate(process_set._given, world)
+    problem = None
+    if process_set.process_set_id is not None:
+        problem = f"{process_set} is registered already"
+    elif ranks is not None and ranks[-1] >= world.Get_size():
+        problem = f"ranks {ranks} go beyond the {world.Get_size()} ranks of hvd.init's communicator"
+    elif ranks is not None and any(p.ranks == ranks for p in _registry.values()):
+        problem = f"a process set with ranks {ranks} is registered already"
+    _agreement.raise_together(world, problem, ValueError, "add_process_set:")
+    every = _agreement.watched_allgather(world, ranks, "add_process_set (ranks check)")
+    named = [r for r in every if r is not None]
+    if any(r != named[0] for r in named) or not named:
+        raise ValueError(f"add_process_set: every rank must name the same ranks, in the same "
+                         f"order of calls, got {_agreement.by_rank([str(r) for r in every])}")
+    process_set.ranks = named[0]
+    comm = world.Create_group(world.Get_group().Incl(process_set.ranks))
+    process_set._attach(comm, max(_registry, default=-1) + 1)
+    _registry[process_set.process_set_id] = process_set
+    return process_set
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set (collective over every rank, same sets in the same order).
+
+    Args:
+        process_set: a ``ProcessSet`` or a list of ranks.
+
+    Returns:
+        The registered ``ProcessSet``.
+    """
+    from . import basics  # basics imports this module
+    world = basics._world()
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    return _register(process_set, world)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` and free its communicators (collective over every rank).
+
+    Returns:
+        True if it was registered, False if not (or if it is the global set, which stays).
+    """
+    from . import basics
+    basics._world()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
+    if process_set is global_process_set or _registry.get(process_set.process_set_id) \
+            is not process_set:
+        return False
+    del _registry[process_set.process_set_id]
+    process_set._detach()
+    return True
+
+
+def _clear() -> None:
+    for process_set in list(_registry.values()):
+        process_set._detach()
+    _registry.clear()

@@ -1,0 +1,329 @@
+"""Pending collectives behind Horovod's integer handles, and the negotiation that starts each.
+
+Every collective of ``mpidp.horovod`` starts nonblocking, on the calling
+thread, in call order, on its process set's data communicator, and returns a
+handle; ``synchronize(handle)`` waits and ``poll(handle)`` tests. A pending
+``Request`` holds its tensors (and the ``mpidp.comm.Handle``s, which hold
+theirs) until it completes, and a handle never synchronized still keeps them.
+
+**Why a negotiation.** Horovod's coordinator compares every rank's request
+(dtype, shape, op, root, name) before any data moves, and a mismatch, or a bad
+argument on one rank only, fails on every rank. Without it a rank with a
+float64 tensor where the others have float32 gets silent garbage, and a rank
+that refuses a bad ``root_rank`` leaves the others waiting forever. So each
+collective first allreduces (bitwise or) a small control message on the set's
+control communicator, and waits for it before the data starts: its
+description, the description's complement (the or of the complements is the
+complement of the and, so the ranks agree exactly when the or and the and are
+equal), a flag for a rank whose arguments failed, and two masks of ranks for
+``join``. On a disagreement every rank of the set exchanges what it called and
+raises the same ``ValueError``. A collective's start therefore waits for every
+rank of its set to start it (as a blocking MPI call would); its data then run
+nonblocking.
+
+**join.** ``hvd.join()`` lets a rank that ran out of data keep serving the
+other ranks' collectives of the global set, with zeros: a joined rank adds
+only its masks to each control message (its description and complement stay
+0, so it takes no part in the agreement), reads the description and starts
+the matching collective. Both sides start the same calls in the same order on
+each communicator, so MPI matches them. The collectives a joined rank cannot
+take part in (alltoall, the object collectives; a broadcast from a joined
+root) raise the same error on every rank. Other process sets take no part in
+``join``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import zlib
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import agreement as _agreement
+from .. import watchdog as _watchdog
+from ..comm.dtypes import _DTYPES
+from . import basics as _basics
+from . import process_sets as _sets
+
+__all__ = ["poll", "synchronize"]
+
+# kinds of collective, as the control message names them (0: only joined ranks called)
+JOIN, ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, BARRIER, ALLTOALL, OBJECT = range(8)
+KIND_NAMES = ("join", "allreduce", "allgather", "broadcast", "reducescatter", "barrier",
+              "alltoall", "broadcast_object/allgather_object")
+OP_CODES = {"sum": 1, "min": 2, "max": 3, "prod": 4}
+_MAX_DIMS = 8
+# kind, dtype + 1, op, root + 1, ndim + 1, name's hash, detail's hash, problem, shape
+_HEAD = 8 + _MAX_DIMS
+_BITS = 62  # ranks per int64 word of a mask
+
+
+class Descriptor:
+    """A control message, decoded."""
+
+    def __init__(self, words: np.ndarray, size: int):
+        head, complement = words[:_HEAD], words[_HEAD:2 * _HEAD]
+        self.active = bool(complement.any())  # a rank other than a joined one called
+        self.disputed = self.active and (bool(head[7]) or not np.array_equal(head, ~complement))
+        self.kind, dtype, self.op, root, ndim = (int(w) for w in head[:5])
+        self.dtype = _DTYPES[dtype - 1] if 0 < dtype <= len(_DTYPES) else None
+        self.root = root - 1
+        self.shape = tuple(int(d) for d in head[8:8 + ndim - 1]) if 0 < ndim <= _MAX_DIMS + 1 \
+            else None
+        masks = words[2 * _HEAD:]
+        width = len(masks) // 2
+        self.joined = _ranks_of(masks[:width], size)
+        self.new = _ranks_of(masks[width:], size)
+
+
+def _ranks_of(mask: np.ndarray, size: int) -> list[int]:
+    return [r for r in range(size) if int(mask[r // _BITS]) >> (r % _BITS) & 1]
+
+
+def _hash(text) -> int:
+    return 0 if text is None else zlib.crc32(str(text).encode()) + 1
+
+
+def control_message(process_set: _sets.ProcessSet, kind: int, *, dtype=None, op: str | None = None,
+                    root: int = -1, shape=None, name=None, detail=None, problem: bool = False,
+                    joined: bool = False, new: bool = False) -> np.ndarray:
+    """This rank's contribution to the set's next control message.
+
+    Args:
+        detail: what else must match on every rank (Horovod's op, the scale factors).
+        problem: this rank's arguments failed: every rank raises.
+        joined, new: this rank is in ``join`` (its description stays 0), entered it now.
+    """
+    comm = process_set.control
+    size, rank = comm.Get_size(), comm.Get_rank()
+    width = -(-size // _BITS)
+    words = np.zeros(2 * _HEAD + 2 * width, dtype=np.int64)
+    if not joined:
+        head = words[:_HEAD]
+        if problem:
+            head[:] = (kind, *[0] * 6, 1, *[0] * _MAX_DIMS)
+        else:
+            if shape is not None and len(shape) > _MAX_DIMS:
+                raise ValueError(f"mpidp.horovod's collectives take tensors of at most "
+                                 f"{_MAX_DIMS} dimensions, got {len(shape)}")
+            head[:5] = (kind, _DTYPES.index(dtype) + 1 if dtype is not None else 0,
+                        OP_CODES.get(op, 0), root + 1, len(shape) + 1 if shape is not None else 0)
+            head[5:7] = _hash(name), _hash(detail)
+            if shape is not None:
+                head[8:8 + len(shape)] = shape
+        words[_HEAD:2 * _HEAD] = ~head
+    if joined:
+        words[2 * _HEAD + rank // _BITS] |= 1 << (rank % _BITS)
+    if new:
+        words[2 * _HEAD + width + rank // _BITS] |= 1 << (rank % _BITS)
+    return words
+
+
+class Control:
+    """A started control allreduce; owns its buffer until it completes."""
+
+    def __init__(self, process_set: _sets.ProcessSet, words: np.ndarray):
+        self.words, self.size = words, process_set.control.Get_size()
+        self.request = process_set.control.Iallreduce(MPI.IN_PLACE, [words, MPI.INT64_T],
+                                                      MPI.BOR)
+
+    def wait(self, label: str) -> Descriptor:
+        if self.request is not None:
+            slot = _watchdog.begin(f"hvd {label} (control message)")
+            try:
+                self.request.Wait()
+            finally:
+                slot.current = None
+            self.request = None
+        return Descriptor(self.words, self.size)
+
+
+def describe(kind: int, *, dtype=None, op=None, root: int = -1, shape=None, name=None,
+             detail=None) -> str:
+    """A rank's call, as a disagreement names it."""
+    parts = [KIND_NAMES[kind]]
+    if dtype is not None:
+        parts.append(str(dtype).removeprefix("torch."))
+    if shape is not None:
+        parts.append(f"{'rows of shape' if kind in (ALLGATHER, ALLTOALL) else 'shape'} "
+                     f"{tuple(shape)}")
+    parts += [f"op {op}"] if op is not None and detail is None else []
+    parts += [f"root_rank {root}"] if root >= 0 else []
+    parts += [str(detail)] if detail is not None else []
+    parts += [f"name {name!r}"] if name is not None else []
+    return " ".join(parts)
+
+
+def dispute(process_set: _sets.ProcessSet, kind: int, mine: str | None,
+            problem: BaseException | None = None) -> BaseException:
+    """The error every rank of the set raises when their calls differ or failed somewhere.
+
+    Collective over the set (joined ranks take part with ``mine`` None). When every
+    rank failed alike, the error is the local one, with its type.
+    """
+    entries = _agreement.watched_allgather(
+        process_set.control, (str(problem) if problem is not None else None, mine),
+        f"hvd {KIND_NAMES[kind]} (disagreement)")
+    problems = [p for p, _ in entries if p is not None]
+    if problem is not None and len(problems) == len(entries) and len(set(problems)) == 1:
+        return problem
+    what = [f"error: {p}" if p is not None else m for p, m in entries]
+    return ValueError(f"hvd.{KIND_NAMES[kind]}: every rank of the process set must make the "
+                      f"same call (dtype, shape, op, root_rank, name) with valid arguments, in "
+                      f"the same order (from one thread, or threads taking turns in a fixed "
+                      f"order), got {_agreement.by_rank(what)}")
+
+
+def negotiate(process_set: _sets.ProcessSet, kind: int, problem: BaseException | None = None,
+              **fields) -> Descriptor:
+    """Agree with the set's other ranks on this call, or raise the same error on all of them.
+
+    Args:
+        problem: this rank's arguments failed with it.
+        fields: the call (dtype, op, root, shape, name, detail).
+    """
+    if problem is None:
+        try:
+            words = control_message(process_set, kind, **fields)
+        except ValueError as error:
+            problem = error
+    if problem is not None:
+        words = control_message(process_set, kind, problem=True)
+    message = Control(process_set, words).wait(KIND_NAMES[kind])
+    if message.disputed:
+        error = dispute(process_set, kind, None if problem else describe(kind, **fields), problem)
+        if error is problem:
+            raise error
+        raise error from problem
+    if message.joined and process_set is _sets.global_process_set and (
+            kind in (ALLTOALL, OBJECT) or (kind == BROADCAST and message.root in message.joined)):
+        raise joined_error(kind, message.joined, message.root)
+    return message
+
+
+def refuse(process_set: _sets.ProcessSet, kind: int, problem: BaseException):
+    """Raise ``problem`` here and an error that names it on the set's other ranks (collective)."""
+    with process_set.lock:
+        negotiate(process_set, kind, problem)
+    raise problem  # not reached: negotiate raises on a problem
+
+
+@contextlib.contextmanager
+def checking(process_set: _sets.ProcessSet, kind: int):
+    """A bad argument found within fails on every rank of the set, not on this one alone.
+
+    Wraps a call's local checks (no collective inside); on a ``TypeError``,
+    ``ValueError`` or ``NotImplementedError`` this rank takes part in the set's
+    negotiation with it (``refuse``), so the others raise instead of waiting.
+    """
+    try:
+        yield
+    except (TypeError, ValueError, NotImplementedError) as error:
+        refuse(process_set, kind, error)
+
+
+class Request:
+    """A started collective: its ``mpidp.comm.Handle``s and what finishes it."""
+
+    __slots__ = ("handles", "finish", "keep", "kind", "name", "process_set", "started", "nbytes")
+
+    def __init__(self, handles, finish, keep, kind, name, process_set, nbytes):
+        self.handles, self.finish, self.keep = handles, finish, keep
+        self.kind, self.name, self.process_set, self.nbytes = kind, name, process_set, nbytes
+        timeline = _basics._state.timeline
+        self.started = timeline.now() if timeline is not None else None
+
+    def done(self) -> bool:
+        return all(h.is_completed() for h in self.handles)
+
+    is_completed = done  # a grouped request's parts are Requests too
+
+    def wait(self):
+        for handle in self.handles:
+            handle.wait()
+        result = self.finish()
+        timeline = _basics._state.timeline
+        if timeline is not None and self.started is not None:
+            timeline.record(KIND_NAMES[self.kind], self.name, self.started,
+                            self.process_set.process_set_id, self.nbytes)
+        return result
+
+
+_table: dict[int, Request] = {}
+_numbers = itertools.count(1)
+_table_lock = threading.Lock()
+
+
+def joined_error(kind: int, joined: list[int], root: int = -1) -> ValueError:
+    """The error every rank raises for a collective that joined ranks cannot serve."""
+    if kind == BROADCAST:
+        return ValueError(f"hvd.broadcast from root_rank {root}, which has called hvd.join(): a "
+                          f"joined rank has no tensor to send (joined ranks: {joined})")
+    return ValueError(f"hvd.{KIND_NAMES[kind]} while rank(s) {joined} have called hvd.join(): "
+                      f"joined ranks serve only allreduce, grouped_allreduce, allgather, "
+                      f"broadcast, reducescatter and barrier")
+
+
+def begin(process_set: _sets.ProcessSet, kind: int, launch, finish, keep=(), *, name=None,
+          nbytes: int = 0, **fields) -> Request:
+    """Negotiate a collective with the set's other ranks, then start it; ``register`` it next.
+
+    Args:
+        launch: starts the data collectives on ``process_set.data``; returns their Handles.
+        finish: called once they completed; its value is what ``synchronize`` returns.
+        keep: tensors to hold until then.
+        fields: the call, which every rank must make alike (dtype, op, root, shape, detail).
+    """
+    with process_set.lock:
+        negotiate(process_set, kind, name=name, **fields)
+        handles = launch()
+    return Request(handles, finish, keep, kind, name, process_set, nbytes)
+
+
+def register(request: Request) -> int:
+    """The handle of a started ``request``, for ``synchronize`` and ``poll``."""
+    with _table_lock:
+        number = next(_numbers)
+        _table[number] = request
+    return number
+
+
+def _request(handle, what: str) -> Request:
+    request = _table.get(handle)
+    if request is None:
+        raise ValueError(f"{what}: handle {handle!r} is not a pending operation (each handle "
+                         f"is synchronized once, and hvd.shutdown() forgets them all)")
+    return request
+
+
+def poll(handle: int) -> bool:
+    """Return True if the operation behind ``handle`` has completed (``synchronize`` won't block)."""
+    return _request(handle, "poll").done()
+
+
+def synchronize(handle: int):
+    """Wait for the operation behind ``handle`` and return its result (the output tensor)."""
+    request = _request(handle, "synchronize")
+    try:
+        return request.wait()
+    finally:
+        with _table_lock:
+            _table.pop(handle, None)
+
+
+def _forget_all() -> None:
+    """Wait for every pending operation, then forget them (``hvd.shutdown``)."""
+    with _table_lock:
+        pending = list(_table.values())
+        _table.clear()
+    for request in pending:
+        request.wait()
+
+
+def wrap_tensor(value) -> torch.Tensor:
+    """``value`` as it travels: detached (autograd never sees MPI's writes)."""
+    return value.detach() if value.requires_grad else value
