@@ -1,8 +1,17 @@
-"""Command line: ``python -m mpidp info`` under ``mpiexec -n N`` prints the job's layout."""
+"""Command line, under ``mpiexec -n N``: ``info`` prints the job's layout, ``run`` runs a program.
+
+``python -m mpidp run train.py [args]`` (or ``run -m package.module [args]``) runs
+the program as ``__main__`` on every rank, as ``python train.py`` would, after
+mpidp's start-up: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...
+are exported (also on one rank), so a program written for ``torchrun`` runs
+unmodified; an uncaught exception on one rank ends the whole job.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 import sys
 
 import mpi4py
@@ -10,7 +19,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import runtime, topology
+from mpidp import rendezvous, runtime, topology
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
                 "torch": "reduced by torch inside a user-defined MPI op (this MPI library "
@@ -48,6 +57,26 @@ def threads_lines(ranks: list, reasons: list[str]) -> list[str]:
             for (threads, reason), members in groups.items()]
 
 
+def rendezvous_status() -> str:
+    """The default backend of mpidp.init_process_group() and where its store listens."""
+    where = rendezvous.store_address()
+    store = (f"store {where[0]}:{where[1]} ({where[2]})" if where else
+             "store started at the first rendezvous" if mpidp.size() == 1 else "no store started")
+    return f"{rendezvous.default_backend()} by default (mpidp.init_process_group()); {store}"
+
+
+def run(target: list[str], module: bool) -> int:
+    """Run ``target`` (a script and its arguments, or a module's) as ``__main__``."""
+    rendezvous.start_up(force=True)  # one rank too: a torchrun-style program reads the variables
+    sys.argv = list(target)
+    if module:
+        runpy.run_module(target[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
+        runpy.run_path(target[0], run_name="__main__")
+    return 0
+
+
 def info() -> int:
     ranks = topology.gather()
     reasons = MPI.COMM_WORLD.allgather(topology.threads_reason())
@@ -61,6 +90,7 @@ def info() -> int:
               f"torch {torch.__version__}, mpidp {mpidp.__version__}")
         print(f"CUDA-aware:    {cuda_aware_status()}")
         print(f"bfloat16 sum:  {BFLOAT16_SUM[mpidp.comm.reduction_path(torch.bfloat16)]}")
+        print(f"torch backend: {rendezvous_status()}")
         print("\n".join(threads_lines(ranks, reasons)))
         for text in found:
             print(f"warning: {text}")
@@ -71,9 +101,19 @@ def info() -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpidp", description=__doc__)
-    parser.add_argument("command", choices=["info"], help="info: print every rank's layout")
-    parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m mpidp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="print every rank's layout")
+    launch = commands.add_parser("run", help="run a program (torchrun-style too) on every rank")
+    launch.add_argument("-m", dest="module", action="store_true",
+                        help="run a module, as python -m does")
+    launch.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args] or module [args]")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if not args.target:
+            parser.error("run: give a script (or -m and a module) to run")
+        return run(args.target, args.module)
     return info()
 
 

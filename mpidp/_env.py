@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["choice", "flag", "given", "number"]
+__all__ = ["choice", "flag", "given", "number", "text"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -66,3 +66,9 @@ def choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if value.lower() not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)} (any case), got {value!r}")
     return value.lower()
+
+
+def text(name: str) -> str | None:
+    """Read a free-form value (an address, an interface name), stripped; unset or blank is None."""
+    value = os.environ.get(name, "").strip()
+    return value or None

@@ -21,7 +21,6 @@ from . import cuda as _cuda
 from . import work as _work
 from .chunks import Chunks
 from .comm.chunking import chunk_bytes
-from .comm.staging import _chain
 from .operands import (
     _as_moved, _check_dtypes, _check_same_sizes, _check_world_list, _detached, _flat, _one,
     _unpack,
@@ -69,6 +68,8 @@ class Operations:
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else _c10d.AllreduceOptions()
         tensor = _one(tensors, "allreduce")
+        if tensor.is_sparse:
+            return self._sparse_allreduce(opts, tensor)
         op = self._op(opts, tensor)
         nbytes = chunk_bytes()
         if tensor.nbytes <= nbytes:
@@ -110,6 +111,19 @@ class Operations:
             work.wait()
             return self._record(_work.Done([tensor]) if opts.asyncOp else _work.blocking([tensor]))
         return self._record(work)
+
+    def _sparse_allreduce(self, opts, tensor):
+        """A sparse COO sum, as gloo's: every rank's indices and values gathered, then coalesced."""
+        if opts.reduceOp.op != ReduceOp.SUM:
+            raise ValueError(f"all_reduce of a sparse tensor supports SUM only, got "
+                             f"{opts.reduceOp.op}")
+        self._check_usable()
+        mine = tensor.detach().coalesce()
+        indices, _ = _comm.allgatherv(mine.indices().t().contiguous(), comm=self._pool)
+        values, _ = _comm.allgatherv(mine.values().contiguous(), comm=self._pool)
+        total = torch.sparse_coo_tensor(indices.t(), values, mine.shape).coalesce()
+        tensor.copy_(total)  # in place, as gloo: the caller's tensor holds the sum
+        return self._record(_work.Done([tensor]) if opts.asyncOp else _work.blocking([tensor]))
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
@@ -165,23 +179,24 @@ class Operations:
         return self._run(opts, start, result, finish)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
+        # torch's layout (gloo's): output_lists[r] holds rank r's copy of every input
         opts = opts if opts is not None else _c10d.AllgatherOptions()
-        if len(output_lists) != len(inputs):
-            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
-                             f"{len(inputs)} inputs")
-        calls, steps = [], []
-        for outputs, tensor in zip(output_lists, inputs):
-            if len(outputs) != self.size():
-                raise ValueError(f"all_gather_coalesced: each output list must have world size "
-                                 f"({self.size()}) tensors, got {len(outputs)}")
-            _check_same_sizes("all_gather_coalesced", outputs, tensor.numel())
-            _check_dtypes("all_gather_coalesced", outputs, tensor.dtype)
-            flat = tensor.new_empty((self.size() * tensor.numel(),))
-            calls.append(functools.partial(_gather_call, _as_moved(flat), _as_moved(tensor),
-                                           self._pool))
-            steps.append(_unpack(flat, outputs))
-        return self._many(opts, calls, [t for outs in output_lists for t in outs],
-                          _chain(*steps))
+        inputs = list(inputs)
+        if len(output_lists) != self.size():
+            raise ValueError(f"all_gather_coalesced: output_tensor_lists must have world size "
+                             f"({self.size()}) lists, got {len(output_lists)}")
+        for outputs in output_lists:
+            if [t.numel() for t in outputs] != [t.numel() for t in inputs]:
+                raise ValueError(f"all_gather_coalesced: each output list must match the inputs' "
+                                 f"sizes {[t.numel() for t in inputs]}, got "
+                                 f"{[t.numel() for t in outputs]}")
+        if not inputs:
+            return self._record(_work.Done([]))
+        everything = [t for outputs in output_lists for t in outputs]
+        _check_dtypes("all_gather_coalesced", inputs + everything, inputs[0].dtype)
+        flat = torch.cat([_detached(t).reshape(-1) for t in inputs])
+        gathered = flat.new_empty((self.size() * flat.numel(),))
+        return self._allgather_flat(opts, gathered, flat, everything, _unpack(gathered, everything))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else _c10d.AllgatherOptions()

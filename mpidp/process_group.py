@@ -9,11 +9,12 @@ Importing mpidp registers the backend ``"mpidp"`` and the rendezvous scheme
 and every ``torch.distributed`` program (torch's DistributedDataParallel,
 FSDP2 ``fully_shard``, ZeroRedundancyOptimizer, DTensor and DeviceMesh, the
 distributed checkpoint) talks MPI through ``mpidp.comm``. Rank and size come
-from ``MPI.COMM_WORLD``; the store is a process-local ``HashStore`` (no
-MASTER_ADDR), so torch features that exchange data through the store across
-ranks (``TORCH_DIST_INIT_BARRIER=1``, gloo's ``monitored_barrier``) are not
-available. ``new_group`` builds an MPI sub-communicator of its global ranks
-(``MPI_Comm_create_group``, collective over the members only).
+from ``MPI.COMM_WORLD``; the store is mpidp's rendezvous store, a TCPStore
+that MPI bootstrapped (``mpidp.rendezvous``; ``store="local"``: a process-local
+``HashStore``), so ``TORCH_DIST_INIT_BARRIER=1`` and ``monitored_barrier`` (a
+method here; ``mpidp.monitored_barrier`` calls it, as torch's own function is
+for gloo alone) work. ``new_group`` builds an MPI sub-communicator of its global
+ranks (``MPI_Comm_create_group``, collective over the members only).
 
 Each group owns a ``mpidp.comm.Pool`` of duplicated communicators
 (``MPIDP_POOL_SIZE``, default 2): several collectives progress at once, and
@@ -55,7 +56,6 @@ import datetime
 import importlib
 import os
 import time
-from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 from mpi4py import MPI
@@ -63,16 +63,19 @@ from mpi4py import MPI
 from . import _env
 from . import comm as _comm
 from .comm import pool as _comm_pool
+from . import monitor as _monitor
+from . import rendezvous as _rendezvous
 from . import runtime as _runtime
 from . import chunks as _chunks
 from . import work as _work
 from .operations import Operations
 from .progress import progress as _progress
+from .rendezvous import init_process_group  # noqa: F401  (its home before mpidp.rendezvous)
 
 __all__ = ["BACKEND", "ProcessGroupMPIDP", "init_process_group", "register"]
 
 BACKEND = "mpidp"
-_SCHEME = "mpidp"
+_SCHEME = _rendezvous.SCHEME
 
 # torch.distributed re-exports a function named rendezvous over the module's name
 _rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
@@ -85,39 +88,7 @@ def register() -> None:
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     if _SCHEME not in _rendezvous_module._rendezvous_handlers:
-        _rendezvous_module.register_rendezvous_handler(_SCHEME, _rendezvous)
-
-
-def init_process_group(**kwargs) -> None:
-    """``torch.distributed.init_process_group`` with backend "mpidp" and rendezvous ``mpidp://``.
-
-    Args:
-        **kwargs: passed on (``timeout``, ``group_name``, ``pg_options``, ...); ``rank``
-            and ``world_size`` may be given and must equal MPI's.
-    """
-    for name, value in (("backend", BACKEND), ("init_method", f"{_SCHEME}://")):
-        if kwargs.setdefault(name, value) != value:
-            raise ValueError(f"mpidp.init_process_group: {name} must be {value!r} (or left out), "
-                             f"got {kwargs[name]!r}")
-    register()
-    dist.init_process_group(**kwargs)
-
-
-def _rendezvous(url: str, timeout=None, **kwargs):
-    """``mpidp://``: rank and size from MPI.COMM_WORLD, a process-local store."""
-    _runtime.require_mpi()
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    query = {key: values[-1] for key, values in parse_qs(urlparse(url).query).items()}
-    for name, actual in (("rank", rank), ("world_size", size)):
-        if name in query and int(query[name]) not in (-1, actual):
-            raise ValueError(f"init_process_group: {name}={query[name]} disagrees with MPI, "
-                             f"which gives this process {name} {actual}; leave {name} out "
-                             f"with init_method='mpidp://'")
-    store = dist.HashStore()
-    if timeout is not None:
-        store.set_timeout(timeout)
-    yield store, rank, size
-    raise RuntimeError("the mpidp:// rendezvous cannot be repeated: MPI's ranks are fixed")
+        _rendezvous_module.register_rendezvous_handler(_SCHEME, _rendezvous.handler)
 
 
 def _create(common, options):
@@ -141,7 +112,9 @@ def _create(common, options):
             base = world.Create_group(group.Incl(members))
         finally:
             group.Free()
-    return ProcessGroupMPIDP(base, common.group_rank, common.group_size, common.timeout)
+    group = ProcessGroupMPIDP(base, common.group_rank, common.group_size, common.timeout)
+    group._store = common.store  # monitored_barrier's (mpidp.monitor)
+    return group
 
 
 # -- the progress thread: mpidp.progress ----------------------------------------------------
@@ -195,6 +168,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         self._coalesced = None  # between _start_coalescing and _end_coalescing: the Works
         self._chunk_comm = comm.Dup()  # large allreduces, chunk by chunk (see allreduce)
         self._aborted = None  # why abort() was called
+        self._store = None  # torch's store for this group: set by _create
 
     # names torch and its functional collectives look up
     def getBackendName(self) -> str:
@@ -238,6 +212,10 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
     def _end_coalescing(self, device):
         works, self._coalesced = self._coalesced or [], None
         return works[0] if len(works) == 1 else _work.All(works)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier`` through the group's store: rank 0 names who is missing."""
+        _monitor.run(self, self._store, timeout, wait_all_ranks)
 
     def __repr__(self) -> str:
         name = f", name={self._name!r}" if self._name else ""

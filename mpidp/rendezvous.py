@@ -1,0 +1,308 @@
+"""Starting any torch.distributed backend from MPI: ranks, a shared store and the usual variables.
+
+Under ``mpiexec``/``srun`` MPI already knows every rank, so nothing needs to be
+configured by hand::
+
+    mpidp.init_process_group()            # "mpidp"; "cpu:gloo,cuda:nccl" with CUDA and NCCL
+    mpidp.init_process_group("gloo")      # or "nccl", "mpidp", "cpu:gloo,cuda:nccl", ...
+
+**The store.** torch's own ``TCPStore``: at ``import mpidp`` (with more than one
+rank), rank 0 starts its server on a port the operating system picks (port 0:
+nothing to choose, no race with another job) and MPI broadcasts the address
+and port. The address is one of rank 0's host that the other nodes reach
+(``mpidp.address``; ``127.0.0.1`` when every rank shares rank 0's host),
+``MPIDP_RDZV_ADDR`` or ``MPIDP_RDZV_IFACE`` override it. The other ranks
+connect at the first rendezvous, within ``MPIDP_RDZV_TIMEOUT`` seconds; a rank
+that cannot raises, on every rank, an error that names the address, the port
+and the variables that change them. Each rendezvous gets a fresh key prefix,
+so a process group started after another (gloo, then "mpidp") never reads the
+first one's keys. ``store="local"`` (or ``MPIDP_STORE=local``) keeps the
+process-local ``HashStore`` of earlier versions instead: no port at all, for
+the ``"mpidp"`` backend alone, without the features that exchange data through
+the store (``monitored_barrier``, ``TORCH_DIST_INIT_BARRIER=1``, gloo or NCCL).
+
+**The variables.** At import, mpidp exports RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, LOCAL_SIZE, GROUP_RANK, NODE_RANK, GROUP_WORLD_SIZE,
+ROLE_RANK, ROLE_WORLD_SIZE (from MPI: the local ranks are those that share
+memory), MASTER_ADDR and MASTER_PORT (the store's), so code written for
+``torchrun`` runs under ``mpiexec``. Its ``env://`` rendezvous (torch's
+default) then connects to mpidp's store instead of starting a second server on
+rank 0: mpidp replaces torch's ``env://`` handler with one that does so while
+MASTER_ADDR and MASTER_PORT are mpidp's, and hands anything else to torch's.
+A user's own MASTER_ADDR or MASTER_PORT is left alone, and so is ``env://``.
+``MPIDP_EXPORT_ENV=0`` exports nothing and starts no server at import.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import time
+from urllib.parse import parse_qs, urlencode, urlparse
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from . import _env, address as _address, agreement, runtime
+
+__all__ = ["default_backend", "init_process_group", "handler", "start_up", "store_address",
+           "exported"]
+
+SCHEME = "mpidp"
+_MPIDP = "mpidp"
+_STORES = ("tcp", "local")
+_OVERRIDE = "set MPIDP_RDZV_ADDR to an address of rank 0's host that every rank reaches, or " \
+            "MPIDP_RDZV_IFACE to its interface (e.g. ib0); MPIDP_RDZV_TIMEOUT is the time allowed"
+
+# torch.distributed re-exports a function named rendezvous over the module's name
+_torch_rdzv = importlib.import_module("torch.distributed.rendezvous")
+_torch_env_handler = _torch_rdzv._rendezvous_handlers["env"]
+
+
+class _State:
+    server = None     # rank 0: the TCPStore that holds the server
+    address = None    # (host, port, why) of the server, on every rank; None: no server
+    problem = None    # why there is no server (the same on every rank)
+    client = None     # this rank's connection, made at the first rendezvous
+    count = 0         # rendezvous so far: each gets its own key prefix
+    exported: dict[str, str] = {}
+
+
+_state = _State()
+
+
+def default_backend() -> str:
+    """``"cpu:gloo,cuda:nccl"`` where CUDA is visible and torch has NCCL, else ``"mpidp"``.
+
+    Not "cpu:mpidp,cuda:nccl": torch (2.13) makes a Python process group such as
+    mpidp's the group of every device of a device map and drops the others
+    (``_new_process_group_helper``), so NCCL would never see a CUDA tensor.
+    """
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return _MPIDP
+
+
+def exported() -> dict[str, str]:
+    """The variables mpidp exported at start-up (empty if it exported none)."""
+    return dict(_state.exported)
+
+
+def store_address() -> tuple[str, int, str] | None:
+    """(address, port, why that address) of the rendezvous store's server; None if none runs."""
+    return _state.address
+
+
+# -- start-up: the server and the variables ---------------------------------------------------
+
+def _node_rank(world: MPI.Intracomm) -> tuple[int, int]:
+    """(this node's index, number of nodes): nodes numbered by their lowest world rank."""
+    first = runtime.local_rank() == 0
+    leaders = world.allgather(world.Get_rank() if first else None)
+    starts = [rank for rank in leaders if rank is not None]
+    mine = runtime._node_comm().bcast(world.Get_rank() if first else None, root=0)
+    return starts.index(mine), len(starts)
+
+
+def _choose(world: MPI.Intracomm) -> tuple[str, str]:
+    """Rank 0's address for the store and why (collective; runs only on rank 0's side)."""
+    reports = world.gather(None if runtime.local_rank() or world.Get_rank() == 0 else
+                           (socket.gethostname(), [a for a, _ in _address.interfaces().values()]))
+    if world.Get_rank() != 0:
+        return "", ""
+    peers = [report for report in reports if report is not None]
+    given = _env.text("MPIDP_RDZV_ADDR")
+    if given:
+        return given, "MPIDP_RDZV_ADDR"
+    interface = _env.text("MPIDP_RDZV_IFACE")
+    if interface:
+        return _address.interface_address(interface), f"MPIDP_RDZV_IFACE={interface}"
+    if runtime.local_size() == world.Get_size():
+        return "127.0.0.1", "every rank runs on rank 0's host"
+    return _address.choose(_address.interfaces(), peers)
+
+
+def _start_server(world: MPI.Intracomm) -> None:
+    """Rank 0 starts the store's server on a port the OS picks; every rank learns where (collective)."""
+    found = None
+    try:
+        host, why = _choose(world)
+        if world.Get_rank() == 0:
+            _state.server = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
+                                          multi_tenant=True,
+                                          timeout=datetime.timedelta(seconds=_connect_seconds()))
+            found = (host, _state.server.port, why)
+    except Exception as error:  # noqa: BLE001  every rank must hear of it
+        found = f"{type(error).__name__}: {error}"
+    found = world.bcast(found, root=0)
+    if isinstance(found, str):
+        _state.problem = f"rank 0 could not start the rendezvous store: {found}"
+    else:
+        _state.address = found
+
+
+def _export(world: MPI.Intracomm) -> None:
+    node, nodes = _node_rank(world)
+    rank, size = str(world.Get_rank()), str(world.Get_size())
+    local, local_size = str(runtime.local_rank()), str(runtime.local_size())
+    values = dict(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local, LOCAL_WORLD_SIZE=local_size,
+                  LOCAL_SIZE=local_size, GROUP_RANK=str(node), NODE_RANK=str(node),
+                  GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=rank, ROLE_WORLD_SIZE=size)
+    if _state.address is not None:
+        values.update(MASTER_ADDR=_state.address[0], MASTER_PORT=str(_state.address[1]))
+    os.environ.update(values)
+    _state.exported = values
+    if _state.address is not None:  # env:// now means mpidp's store
+        _torch_rdzv._rendezvous_handlers["env"] = _env_handler
+
+
+def start_up(force: bool = False) -> None:
+    """Start the store's server and export the variables (collective; at ``import mpidp``).
+
+    Does nothing with one rank unless ``force`` (``python -m mpidp run`` forces
+    it), under ``MPIDP_EXPORT_ENV=0``, or when it already ran. The server is
+    not started under ``MPIDP_STORE=local`` or when the user set MASTER_ADDR or
+    MASTER_PORT (both are then left as they are).
+    """
+    world = MPI.COMM_WORLD
+    if _state.exported or not _env.flag("MPIDP_EXPORT_ENV", True) or \
+            (world.Get_size() == 1 and not force):
+        return
+    user_master = _env.given("MASTER_ADDR") or _env.given("MASTER_PORT")
+    if not user_master and _store_kind(None) == "tcp":
+        _start_server(world)
+    _export(world)
+
+
+# -- the rendezvous -----------------------------------------------------------------------------
+
+def _connect_seconds() -> float:
+    return _env.number("MPIDP_RDZV_TIMEOUT", 60, minimum=0.001)
+
+
+def _store_kind(given: str | None) -> str:
+    kind = (given or _env.choice("MPIDP_STORE", _STORES, "tcp")).lower()
+    if kind not in _STORES:
+        raise ValueError(f"store must be one of {', '.join(_STORES)}, got {given!r}")
+    return kind
+
+
+def _reach(host: str, port: int, seconds: float) -> str | None:
+    """None once a TCP connection to host:port opens within ``seconds``, else why not."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic())):
+                return None
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                return f"{type(error).__name__}: {error}"
+            time.sleep(0.1)
+
+
+def _shared_store() -> dist.Store:
+    """This rank's connection to the store's server (collective at the first call)."""
+    if _state.client is not None:
+        return _state.client
+    world = MPI.COMM_WORLD
+    if _state.address is None and _state.problem is None:
+        _start_server(world)  # export turned off, or a rendezvous without mpidp's start-up
+    problem = _state.problem
+    if problem is None and world.Get_rank() != 0:
+        host, port, why = _state.address
+        seconds = _connect_seconds()
+        failure = _reach(host, port, seconds)
+        if failure is None:
+            try:
+                _state.client = dist.TCPStore(host, port, None, False, wait_for_workers=False,
+                                              timeout=datetime.timedelta(seconds=seconds))
+            except Exception as error:  # noqa: BLE001
+                failure = f"{type(error).__name__}: {error}"
+        if failure is not None:
+            problem = (f"could not connect to the rendezvous store at {host}:{port} (rank 0's "
+                       f"address, chosen from {why}) within {seconds:g} s ({failure}); {_OVERRIDE}")
+    elif problem is None:
+        _state.client = _state.server
+    agreement.raise_together(world, problem, dist.DistNetworkError, "mpidp rendezvous:",
+                             "mpidp rendezvous (connecting to the store)")
+    return _state.client
+
+
+def _ranks(query: dict) -> tuple[int, int]:
+    runtime.require_mpi()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    for name, actual in (("rank", rank), ("world_size", size)):
+        if name in query and int(query[name]) not in (-1, actual):
+            raise ValueError(f"init_process_group: {name}={query[name]} disagrees with MPI, "
+                             f"which gives this process {name} {actual}; leave {name} out "
+                             f"(the rendezvous takes it from MPI)")
+    return rank, size
+
+
+def handler(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs):
+    """torch's rendezvous handler for ``mpidp://[?store=tcp|local]``: MPI's ranks, mpidp's store."""
+    query = {key: values[-1] for key, values in parse_qs(urlparse(url).query).items()}
+    rank, size = _ranks(query)
+    if _store_kind(query.get("store")) == "local":
+        store = dist.HashStore()
+    else:
+        store = dist.PrefixStore(f"mpidp/{_state.count}", _shared_store())
+        _state.count += 1
+    if timeout is not None:
+        store.set_timeout(timeout)
+    yield store, rank, size
+    raise RuntimeError("the mpidp rendezvous cannot be repeated: MPI's ranks are fixed")
+
+
+def _env_handler(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs):
+    """``env://`` while MASTER_ADDR and MASTER_PORT are mpidp's: its store; else torch's own."""
+    ours = all(os.environ.get(name) == _state.exported.get(name)
+               for name in ("MASTER_ADDR", "MASTER_PORT"))
+    if not ours or MPI.Is_finalized():
+        return (yield from _torch_env_handler(url, timeout, **kwargs))
+    query = {key: values[-1] for key, values in parse_qs(urlparse(url).query).items()}
+    for name, variable in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+        query.setdefault(name, os.environ.get(variable, "-1"))
+    return (yield from handler(f"{SCHEME}://?{urlencode(query)}", timeout, **kwargs))
+
+
+def _backends(backend: str) -> set[str]:
+    return {part.split(":")[-1].strip().lower() for part in str(backend).split(",")}
+
+
+def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> None:
+    """``torch.distributed.init_process_group`` for any backend, ranks and store from MPI.
+
+    Args:
+        backend: ``"mpidp"``, ``"gloo"``, ``"nccl"`` or a device map such as
+            ``"cpu:gloo,cuda:nccl"`` (not one with "mpidp" and another backend,
+            see ``default_backend``); None: ``default_backend()``.
+        store: ``"tcp"`` (the shared TCPStore, default; ``MPIDP_STORE`` sets the
+            default) or ``"local"`` (a process-local HashStore: "mpidp" only);
+            a torch ``Store`` is passed on to torch as it is.
+        **kwargs: passed on (``timeout``, ``device_id``, ``pg_options``, ...);
+            ``rank`` and ``world_size`` may be given and must equal MPI's.
+    """
+    backend = default_backend() if backend is None else backend
+    if store is not None and not isinstance(store, str):
+        dist.init_process_group(backend, store=store, **kwargs)
+        return
+    kind = _store_kind(store)
+    if _MPIDP in _backends(backend) and len(_backends(backend)) > 1:
+        raise ValueError(f"backend {backend!r}: torch makes a Python process group such as "
+                         f"'mpidp' the group of every device of a device map and drops the "
+                         f"other backends; use 'mpidp' alone (CUDA tensors then go through "
+                         f"MPI) or a map without it, e.g. 'cpu:gloo,cuda:nccl'")
+    if kind == "local" and _backends(backend) != {_MPIDP}:
+        raise ValueError(f"store='local' works for the 'mpidp' backend alone (each rank's store "
+                         f"is its own), got backend {backend!r}; use store='tcp'")
+    kwargs.setdefault("init_method", f"{SCHEME}://?store={kind}")
+    if store is not None and kwargs["init_method"] != f"{SCHEME}://?store={kind}":
+        raise ValueError(f"give store= or init_method=, not both (got {kwargs['init_method']!r})")
+    if _MPIDP in _backends(backend):
+        from . import process_group  # registers the backend
+        process_group.register()
+    dist.init_process_group(backend, **kwargs)

@@ -1,0 +1,229 @@
+"""Every torch.distributed backend started from MPI: the variables, the shared store, its errors.
+
+Runs under mpiexec at 2 and 3 ranks with none of MASTER_ADDR, MASTER_PORT,
+RANK or WORLD_SIZE set by the launcher: mpidp exports them at import and
+starts the rendezvous store (mpidp.rendezvous). The two-host cases (an
+address the other host cannot reach) need the network-namespace cluster
+harness and are not here.
+"""
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import mpidp
+from mpidp import address, rendezvous
+
+RANK, SIZE = mpidp.rank(), mpidp.size()
+WORLD = MPI.COMM_WORLD
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def env_var():
+    """Set variables for one test, restored after it."""
+    saved = {}
+
+    def set_var(name, value):
+        saved.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+    yield set_var
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _sum_of_ranks(group=None) -> float:
+    tensor = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(tensor, group=group)
+    return tensor.item()
+
+
+def test_the_usual_variables_come_from_mpi():
+    env = os.environ
+    assert (env["RANK"], env["WORLD_SIZE"]) == (str(RANK), str(SIZE))
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(mpidp.local_rank()),
+                                                            str(mpidp.local_size()))
+    assert env["GROUP_RANK"] == env["NODE_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+    assert env["MASTER_ADDR"] == "127.0.0.1"  # every rank on one host
+    host, port, why = rendezvous.store_address()
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (host, str(port)) and "host" in why
+    assert WORLD.allgather(env["MASTER_PORT"]) == [env["MASTER_PORT"]] * SIZE
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpidp", None, "cpu:gloo,cuda:gloo"])
+def test_backends_start_with_a_shared_store_and_init_barrier(backend, env_var):
+    env_var("TORCH_DIST_INIT_BARRIER", "1")  # torch's store-based barrier after the start
+    mpidp.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    try:
+        expected = SIZE * (SIZE + 1) / 2
+        assert _sum_of_ranks() == expected
+        if backend is None:
+            assert dist.get_backend() == rendezvous.default_backend() == "mpidp"  # no CUDA here
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"from-{RANK}", str(RANK))  # a store every rank shares
+        assert [store.get(f"from-{peer}").decode() for peer in range(SIZE)] == \
+            [str(peer) for peer in range(SIZE)]
+        pair = dist.new_group([0, 1], backend="gloo")  # gloo subgroups use the same store
+        if RANK < 2:
+            assert _sum_of_ranks(pair) == 3
+        mpidp.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_user_env_init_after_import_uses_mpidp_store():
+    """torchrun-style code: dist.init_process_group("gloo") with env:// reads mpidp's variables
+    and connects to its store (no second server on MASTER_PORT), twice in a row."""
+    for _ in range(2):
+        dist.init_process_group("gloo")
+        try:
+            assert _sum_of_ranks() == SIZE * (SIZE + 1) / 2
+        finally:
+            dist.destroy_process_group()
+
+
+def test_monitored_barrier_over_mpidp_names_the_rank_that_did_not_arrive():
+    mpidp.init_process_group("mpidp")
+    try:
+        timeout = datetime.timedelta(seconds=1.5)
+        mpidp.monitored_barrier(timeout=timeout, wait_all_ranks=True)  # all arrive
+        if RANK == 0:
+            with pytest.raises(RuntimeError, match="Rank 1 failed to pass monitoredBarrier"):
+                mpidp.monitored_barrier(timeout=timeout)
+        elif RANK > 1:
+            with pytest.raises(RuntimeError, match=f"Rank {RANK} successfully reached "
+                                                   f"monitoredBarrier, but received errors"):
+                mpidp.monitored_barrier(timeout=timeout)
+        WORLD.Barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_device_map_mixing_mpidp_with_another_backend_is_refused():
+    with pytest.raises(ValueError, match="drops the other backends"):
+        mpidp.init_process_group("cpu:mpidp,cuda:nccl")
+
+
+def test_rank_and_size_are_checked_against_mpi():
+    with pytest.raises(ValueError, match=f"world_size={SIZE + 1} disagrees with MPI"):
+        mpidp.init_process_group("gloo", world_size=SIZE + 1, rank=RANK)
+    assert not dist.is_initialized()
+
+
+def test_the_local_store_is_for_mpidp_alone():
+    with pytest.raises(ValueError, match="store='local' works for the 'mpidp' backend alone"):
+        mpidp.init_process_group("gloo", store="local")
+    mpidp.init_process_group("mpidp", store="local")
+    try:
+        assert _sum_of_ranks() == SIZE * (SIZE + 1) / 2
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        assert isinstance(store, dist.HashStore)
+        with pytest.raises(RuntimeError, match="monitored_barrier needs a store shared"):
+            mpidp.monitored_barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """rendezvous' module state, restored after the test (the server keeps running)."""
+    for name in ("server", "address", "problem", "client"):
+        monkeypatch.setattr(rendezvous._state, name, getattr(rendezvous._state, name))
+
+
+def test_a_rank_that_cannot_connect_raises_on_every_rank(fresh_state, env_var):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = WORLD.bcast(probe.getsockname()[1], root=0)
+    env_var("MPIDP_RDZV_TIMEOUT", "0.5")
+    rendezvous._state.client = None
+    rendezvous._state.address = ("127.0.0.1", closed, "a test")
+    if SIZE == 1:
+        pytest.skip("rank 0 alone never connects")
+    with pytest.raises(dist.DistNetworkError) as raised:
+        rendezvous._shared_store()
+    text = str(raised.value)
+    assert f"could not connect to the rendezvous store at 127.0.0.1:{closed}" in text
+    assert "MPIDP_RDZV_ADDR" in text and "MPIDP_RDZV_IFACE" in text
+    assert ("rank 1:" if SIZE == 2 else f"ranks 1-{SIZE - 1}:") in text  # the failing ranks
+
+
+def test_the_address_variables_override_the_choice(fresh_state, env_var):
+    env_var("MPIDP_RDZV_ADDR", "127.0.0.1")
+    rendezvous._start_server(WORLD)
+    assert rendezvous._state.address[0] == "127.0.0.1" and rendezvous._state.problem is None
+    assert rendezvous._state.address[2] == "MPIDP_RDZV_ADDR"
+    env_var("MPIDP_RDZV_ADDR", "")
+    env_var("MPIDP_RDZV_IFACE", "lo")
+    rendezvous._start_server(WORLD)
+    assert rendezvous._state.address[:1] == ("127.0.0.1",)
+    env_var("MPIDP_RDZV_IFACE", "no-such-interface0")
+    rendezvous._start_server(WORLD)
+    assert "MPIDP_RDZV_IFACE='no-such-interface0'" in rendezvous._state.problem
+    assert "its interfaces: " in rendezvous._state.problem
+
+
+def test_the_address_is_the_interface_on_the_link_to_the_other_node():
+    own = {"lo": ("127.0.0.1", "255.0.0.0"), "docker0": ("172.17.0.1", "255.255.0.0"),
+           "eth0": ("10.1.0.5", "255.255.255.0"), "ib0": ("192.168.7.5", "255.255.255.0")}
+    peers = [("node2", ["172.18.0.1", "192.168.7.6"])]  # its decoy bridge first, then IPoIB
+    chosen, why = address.choose(own, peers)
+    assert chosen == "192.168.7.5" and "ib0" in why
+    # no shared subnet: the kernel's route toward the peer decides (here: this host's own)
+    here = address.interfaces()
+    reachable = [a for a, _ in here.values() if not a.startswith("127.")]
+    if reachable:
+        assert address.choose({}, [("peer", reachable)])[0] == address.route_source(reachable[0])
+
+
+def _launch(nprocs: int, args: list[str]) -> subprocess.CompletedProcess:
+    """A nested job from rank 0: this job's PMI and MPI variables removed, mpidp's too."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "HYDRA", "MPIR", "MPICH", "OMPI", "PMIX"))
+           and k not in rendezvous.exported()}
+    command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(nprocs), sys.executable,
+               "-m", "mpidp", "run", *args]
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
+    """No import of mpidp in the script: `python -m mpidp run` exports the variables,
+    runs it as __main__, and ends the job when one rank raises."""
+    if SIZE != 2:
+        pytest.skip("launches its own 2-rank job: once is enough (at 2 ranks)")
+    if RANK == 0:
+        script = Path(os.environ.get("TMPDIR", "/tmp")) / f"torchrun_style_{os.getpid()}.py"
+        script.write_text(
+            "import os, sys, torch, torch.distributed as dist\n"
+            "assert __name__ == '__main__'\n"
+            "dist.init_process_group('gloo')\n"
+            "t = torch.ones(1) * (int(os.environ['RANK']) + 1)\n"
+            "dist.all_reduce(t)\n"
+            "print('sum', int(t.item()), 'args', sys.argv[1:], flush=True)\n"
+            "if sys.argv[1:] == ['--fail'] and dist.get_rank() == 1:\n"
+            "    raise RuntimeError('rank 1 gives up')\n"
+            "dist.destroy_process_group()\n")
+        try:
+            done = _launch(2, [str(script), "--x"])
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert done.stdout.count("sum 3 args ['--x']") == 2, done.stdout
+            failed = _launch(2, [str(script), "--fail"])
+            assert failed.returncode != 0
+            assert "[mpidp rank 1/2] RuntimeError: rank 1 gives up" in failed.stderr, \
+                failed.stderr[-3000:]
+        finally:
+            script.unlink()
+    WORLD.Barrier()
