@@ -1,0 +1,119 @@
+"""Two real nodes on this machine (bench/cluster/harness.py): checks across them, a cut link.
+
+Each test brings up its own cluster of 2 nodes (namespaces with their own
+hostname, address, /dev/shm and boot id, joined by 1 Gbit/s veths through a
+bridge), runs MPICH's hydra inside n0 across both, and asserts that nothing of
+the cluster is left afterwards. Needs root; skipped with the reason otherwise.
+The prefix carries this process's id, so runs of the suite side by side keep
+apart; clusters of runs that were killed before their teardown are removed
+at the start.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "cluster"))
+import harness  # noqa: E402
+
+WHY = harness.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no cluster: {WHY}")
+PREFIX = f"mpidpt{os.getpid() % 100_000}"
+if WHY is None:
+    harness.down_orphans("mpidpt")  # clusters of earlier runs killed before their teardown
+PPN = 2
+MB = 2**20
+
+
+def cluster():
+    return harness.Cluster(2, rate="1gbit", prefix=PREFIX)
+
+
+def assert_all_gone(made: harness.Cluster) -> None:
+    assert made.inodes, "the cluster never came up"
+    assert harness.leftovers(PREFIX, made.inodes) == []
+
+
+def test_mpidp_across_two_nodes_sees_both_and_trains_as_one_process():
+    made = cluster()
+    with made:
+        before = made.counters()
+        result = made.run([sys.executable, "-m", "pytest", "-q", "-s", "-x", "-p",
+                           "no:cacheprovider", str(ROOT / "tests" / "mpi" / "check_cluster.py")],
+                          ppn=PPN, timeout=240, env={"CLUSTER_NODES": "2"}).check()
+        after = made.counters()
+    assert_all_gone(made)
+    figures = re.findall(r"^CLUSTER (\S+) .*max_rel_diff=(\S+)", result.output, re.M)
+    print("\n".join(f"{name}: max relative difference {diff}" for name, diff in figures))
+    assert {name for name, _ in figures} >= {"ddp-shm-sgd", "ddp-shm-adam", "zero-stage1",
+                                              "zero-stage2", "syncbn", "backend-torch-ddp"}
+    for name in after:  # the 16 MB allreduce alone puts >= 16 MB on each link
+        sent, received = (after[name][key] - before[name][key] for key in ("tx", "rx"))
+        print(f"{name}: sent {sent / MB:.1f} MB, received {received / MB:.1f} MB on eth0")
+        assert sent > 16 * MB and received > 16 * MB
+
+
+def test_a_cut_link_ends_the_job_with_the_watchdogs_report():
+    made = cluster()
+    with made:
+        train = ROOT / "bench" / "cluster" / "train_until_cut.py"
+        job = made.launch([sys.executable, str(train)], ppn=PPN, env={"MPIDP_TIMEOUT": "5"})
+        try:
+            assert job.wait_for("step 3 rank 2", 120), f"n1 never trained:\n{job.output[-4000:]}"
+            made.set_link("n1", up=False)
+            result = job.wait(60)
+        finally:
+            job.kill()
+    assert_all_gone(made)
+    print(result.output[-3000:])
+    assert not result.timed_out, "the job did not end by itself within 60 s of the cut"
+    assert result.returncode == 124  # the watchdog's MPI_Abort
+    summary = re.search(r"stall summary: .*", result.output)
+    assert summary, result.output[-4000:]
+    assert "ranks 2-3: no report" in summary[0]  # the ranks behind the cut link
+    assert result.swept > 0  # n1's processes, which the launcher left, killed by the harness
+
+
+def test_the_command_line_kills_a_job_at_its_limit_and_down_removes_everything():
+    script = [sys.executable, str(ROOT / "bench" / "cluster" / "harness.py"), "--prefix", PREFIX]
+    inodes = set()
+    try:
+        subprocess.run([*script, "up", "--nodes", "2", "--rate", "100mbit", "--owner",
+                        str(os.getpid())], check=True, timeout=60, capture_output=True)
+        inodes = harness.Cluster.attach(PREFIX).inodes
+        run = subprocess.run([*script, "run", "--ppn", "1", "--timeout", "3", "--", "sleep", "60"],
+                             timeout=60, capture_output=True, text=True)
+        assert run.returncode == 124, run.stdout + run.stderr
+        assert "killed at the 3.0 s limit" in run.stdout
+        assert harness.Cluster.attach(PREFIX).inodes == inodes  # the nodes outlive the job
+    finally:
+        down = subprocess.run([*script, "down"], timeout=60, capture_output=True, text=True)
+    assert "removed" in down.stdout
+    assert inodes and harness.leftovers(PREFIX, inodes) == []
+
+
+def test_a_cluster_whose_owner_was_killed_is_removed_by_the_next_run():
+    prefix = f"{PREFIX}o"
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT / 'bench' / 'cluster')!r}); "
+            f"import harness; harness.Cluster(2, prefix={prefix!r}).up(); print('up', flush=True); "
+            f"time.sleep(120)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    inodes = set()
+    try:
+        assert owner.stdout.readline().strip() == "up"
+        inodes = harness.Cluster.attach(prefix).inodes
+        assert not any(prefix in item for item in harness.down_orphans("mpidpt"))  # alive
+        owner.kill()
+        owner.wait()
+        assert harness.holders(prefix)  # the nodes outlive their owner...
+        assert any(prefix in item for item in harness.down_orphans("mpidpt"))  # ...until this
+    finally:
+        owner.kill()
+        owner.wait()
+        harness.down(prefix)
+    assert inodes and harness.leftovers(prefix, inodes) == []
