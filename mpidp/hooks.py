@@ -93,7 +93,13 @@ def _size(comm) -> int:
 
 
 def allreduce_hook(state, bucket: GradBucket) -> torch.futures.Future:
-    """Average the bucket with MPI's allreduce, chunk by chunk (the DDP's behaviour without a hook)."""
+    """Average the bucket with MPI's allreduce, chunk by chunk.
+
+    The bits of the DDP without a hook when it reduces through MPI alone
+    (``shared_memory=False``, or one rank per node); with shared memory the DDP
+    adds in rank order, which an MPI library may not (Open MPI at 3 ranks: one
+    float32 rounding apart).
+    """
     comm = _comm_of(state)
     buffer = bucket.buffer()
     size = _size(comm)

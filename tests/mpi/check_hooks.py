@@ -35,7 +35,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:mpidp. ranks .* share cores")
 
 DDP = mpidp.DistributedDataParallel
 F16, BF16 = torch.float16, torch.bfloat16
-SMALL = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0005)  # 3 buckets of net()
+# 3 buckets of net(), reduced through MPI's allreduce as the hooks do: with shared memory the
+# sum's order is rank order, and an MPI library may add in another (Open MPI at 3 ranks: one
+# float32 rounding apart), so bit-for-bit comparisons take MPI on both sides
+SMALL = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0005, shared_memory=False)
 STEPS = 3
 POOL = "the DDP's pool"  # a state placeholder: ddp.pool, known once the DDP is built
 
@@ -202,6 +205,9 @@ def test_allreduce_hook_gives_the_bits_of_the_ddp_without_a_hook(state):
     for got, want in zip(history, expected):
         assert_bit_equal(got, want)
     assert rel_diff(expected[-1], expected[0]) > 1e-3  # the steps did move the parameters
+    # the DDP's default, shared memory within the node: the same sums, in rank order
+    shm_grads, _ = reference("mlp-shm", options=dict(SMALL, shared_memory=True))
+    assert rel_diff(grads, shm_grads) < 1e-6
 
 
 @pytest.mark.parametrize("form", ["tensor", "list"])
@@ -319,7 +325,7 @@ def psgd_net() -> nn.Module:
 
 PSGD_CASES = [(1, True, True), (4, True, True), (1, False, False), (4, False, False),
               (4, True, False)]
-LAYOUTS = {"small": SMALL, "one_bucket": dict(bucket_cap_mb=1)}
+LAYOUTS = {"small": SMALL, "one_bucket": dict(bucket_cap_mb=1, shared_memory=False)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -360,9 +366,12 @@ def test_torchs_default_hooks_on_mpidp_ddp(group, name):
               "bf16": default_hooks.bf16_compress_hook}[name]
     grads, got = train(theirs, group)
     if name == "allreduce":
+        # torch's hook goes through the backend's nonblocking allreduce, the DDP through the
+        # blocking one: the same bits on MPICH, one rounding apart where the library picks
+        # another algorithm for each (Open MPI at 3 ranks)
         expected_grads, expected = reference("mlp")
-        assert_bit_equal(grads, expected_grads)
-        assert_bit_equal(got[-1], expected[-1])
+        assert rel_diff(grads, expected_grads) < 1e-6
+        assert rel_diff(got[-1], expected[-1]) < 1e-6
         return
     mine = hooks.fp16_compress_hook if name == "fp16" else hooks.bf16_compress_hook
     _, expected = train(mine)
