@@ -353,6 +353,25 @@ def test_main_example_trains_on_two_ranks():
     assert "final train loss" in result.stdout
 
 
+FRAMEWORK_EXAMPLES = {  # script and arguments -> what its last lines say
+    "accelerate_train.py --epochs 1": "2 processes, backend mpidp",
+    "trainer_train.py --steps 4": "2 processes, backend mpidp: mean training loss",
+    "horovod_synthetic_benchmark.py --batch-size 4 --num-warmup-batches 1 "
+    "--num-batches-per-iter 1 --num-iters 2": "Total img/sec on 2 CPU(s)",
+}
+
+
+@pytest.mark.parametrize("command", sorted(FRAMEWORK_EXAMPLES), ids=lambda c: c.split()[0])
+def test_framework_example_runs_on_two_ranks(command):
+    """The examples of docs/launch.md and docs/horovod.md run as the docs show them (short)."""
+    if command.split("_")[0] in ("accelerate", "trainer"):
+        pytest.importorskip("accelerate" if "accelerate" in command else "transformers",
+                            reason="needs the frameworks extra")
+    script, *args = command.split()
+    out = launch.run(2, [f"examples/{script}", *args], timeout=240).stdout
+    assert FRAMEWORK_EXAMPLES[command] in out, out[-3000:]
+
+
 def test_torch_fsdp_example_equals_one_process():
     """torch's FSDP2 over the "mpidp" backend; the script itself checks its final model."""
     out = launch.run(2, ["examples/torch_fsdp.py", "--steps", "30"], timeout=180).stdout
