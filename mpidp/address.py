@@ -8,6 +8,9 @@ node reports about itself:
 
 1. an interface of rank 0's host whose subnet holds an address of another
    node (the two are on one link: the route between them goes through it);
+   where several subnets hold it, the narrowest, as the kernel's longest-prefix
+   route does (a wider subnet on another interface, such as a /15 on a bridge
+   beside the link's /24, is not the link);
 2. otherwise the source address of the kernel's route toward another node
    (its addresses, then its hostname resolved);
 3. otherwise the address rank 0's hostname resolves to, if not a loopback.
@@ -100,9 +103,11 @@ def choose(own: dict[str, tuple[str, str]], peers: list[tuple[str, list[str]]]) 
                 for name, (address, mask) in own.items() if not _is_loopback(address)}
     for host, addresses in peers:
         for peer in addresses:
-            for name, network in networks.items():
-                if ipaddress.ip_address(peer) in network:
-                    return own[name][0], f"interface {name}, on the link to {host} ({peer})"
+            holding = [name for name, network in networks.items()
+                       if ipaddress.ip_address(peer) in network]
+            if holding:
+                name = max(holding, key=lambda held: networks[held].prefixlen)
+                return own[name][0], f"interface {name}, on the link to {host} ({peer})"
     for host, addresses in peers:
         for peer in [*addresses, *_resolve(host)]:
             source = route_source(peer)

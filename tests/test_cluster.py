@@ -28,6 +28,8 @@ if WHY is None:
     harness.down_orphans("mpidpt")  # clusters of earlier runs killed before their teardown
 PPN = 2
 MB = 2**20
+# n0's decoy: n1 (198.18.0.2/24) has no route to it, yet its /15 holds n1's address too
+DECOY, DECOY_PREFIX = "198.19.0.1", 15
 
 
 def cluster():
@@ -56,6 +58,59 @@ def test_mpidp_across_two_nodes_sees_both_and_trains_as_one_process():
         sent, received = (after[name][key] - before[name][key] for key in ("tx", "rx"))
         print(f"{name}: sent {sent / MB:.1f} MB, received {received / MB:.1f} MB on eth0")
         assert sent > 16 * MB and received > 16 * MB
+
+
+def add_decoy(made: harness.Cluster) -> None:
+    """Give n0 an interface ``decoy0`` holding DECOY, ahead of eth0: ``hostname -I`` lists it first.
+
+    A namespace numbers its interfaces in creation order, so eth0 steps out to
+    the bridge's namespace while decoy0 (a bridge without ports: the dummy
+    driver may be missing) takes its number, then comes back after it and gets
+    its address again (not its tc shaping, which this test does not need).
+    """
+    bridge, n0 = made.pids["bridge"], made.pids["n0"]
+    script = (f"set -e; index=$(cat /sys/class/net/eth0/ifindex); "
+              f"ip link set eth0 netns {bridge}; ip link add decoy0 index $index type bridge; "
+              f"ip addr add {DECOY}/{DECOY_PREFIX} dev decoy0; ip link set decoy0 up; "
+              f"nsenter -t {bridge} -n -- ip link set eth0 netns {n0}; "
+              f"ip addr add {made.address('n0')}/24 dev eth0; ip link set eth0 up")
+    done = made.exec("n0", ["bash", "-c", script])
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named():
+    made = cluster()
+    check = [sys.executable, str(ROOT / "tests" / "mpi" / "check_cluster_rendezvous.py")]
+    cases = {"choice": {}, "iface": {"MPIDP_RDZV_IFACE": "eth0"},
+             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "3"}}
+    with made:
+        add_decoy(made)
+        runs = {case: made.run(check, ppn=1, timeout=90, env={"CLUSTER_DECOY": DECOY, **env})
+                for case, env in cases.items()}
+    assert_all_gone(made)
+    n0 = made.address("n0")
+    for case, why in (("choice", f"interface eth0, on the link to n1 ({made.address('n1')})"),
+                      ("iface", "MPIDP_RDZV_IFACE=eth0")):
+        output = runs[case].check().output
+        assert f"RDZV hostname-I {DECOY} {n0}" in output  # the naive choice is the decoy
+        found = re.search(r"^RDZV address MASTER_ADDR=(\S+) MASTER_PORT=\d+ why=(.*)$", output,
+                          re.M)
+        print(f"{case}: {found[0]}")
+        assert found.groups() == (n0, why)
+        for backend in ("gloo", "mpidp"):
+            assert f"RDZV backend {backend} all_reduce=3 monitored_barrier=passed" in output
+        assert "RDZV done" in output
+    failed = runs["decoy"]
+    errors = re.findall(r"^RDZV error rank (\d+): (\w+): (.*)$", failed.output, re.M)
+    print(f"decoy: exit status {failed.returncode} after {failed.seconds:.1f} s; "
+          f"{errors[0][2] if errors else failed.output[-4000:]}")
+    assert not failed.timed_out and failed.returncode == 1  # mpidp's abort: the job ended
+    assert sorted(rank for rank, _, _ in errors) == ["0", "1"]  # every rank raised...
+    assert {(kind, text) for _, kind, text in errors} == {("DistNetworkError", errors[0][2])}
+    text = errors[0][2]  # ...the same error, naming the rank, the address, port and variables
+    assert re.search(rf"rank 1: could not connect to the rendezvous store at {DECOY}:\d+ "
+                     rf"\(rank 0's address, chosen from MPIDP_RDZV_ADDR\) within 3 s", text)
+    assert "MPIDP_RDZV_IFACE" in text and "MPIDP_RDZV_TIMEOUT" in text
 
 
 def test_a_cut_link_ends_the_job_with_the_watchdogs_report():

@@ -2,9 +2,9 @@
 
 Runs under mpiexec at 2 and 3 ranks with none of MASTER_ADDR, MASTER_PORT,
 RANK or WORLD_SIZE set by the launcher: mpidp exports them at import and
-starts the rendezvous store (mpidp.rendezvous). The two-host cases (an
+starts the rendezvous store (mpidp.rendezvous). The two-host cases (a decoy
 address the other host cannot reach) need the network-namespace cluster
-harness and are not here.
+harness: tests/mpi/check_cluster_rendezvous.py, run by tests/test_cluster.py.
 """
 
 import datetime
@@ -182,6 +182,9 @@ def test_the_address_is_the_interface_on_the_link_to_the_other_node():
     peers = [("node2", ["172.18.0.1", "192.168.7.6"])]  # its decoy bridge first, then IPoIB
     chosen, why = address.choose(own, peers)
     assert chosen == "192.168.7.5" and "ib0" in why
+    # two subnets hold the peer: the narrowest is the link (the kernel's longest prefix)
+    wider = {"br1": ("10.200.0.1", "255.0.0.0"), "eth0": ("10.1.0.5", "255.255.255.0")}
+    assert address.choose(wider, [("node2", ["10.1.0.6"])])[0] == "10.1.0.5"
     # no shared subnet: the kernel's route toward the peer decides (here: this host's own)
     here = address.interfaces()
     reachable = [a for a, _ in here.values() if not a.startswith("127.")]
