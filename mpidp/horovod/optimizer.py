@@ -17,6 +17,13 @@ backward pass roughly follows, by ``mpidp.buckets.assign_buckets``, up to
 first bucket; or the ``groups`` given), and bucket ``b`` starts only once all of
 its gradients are ready and every bucket before it has started. So every rank
 starts the same allreduces in the same order, whatever order its hooks fire in.
+
+**Speed.** A bucket is still negotiated like any hvd allreduce (so ``hvd.join``
+serves it), but where no rank has joined its CPU data are reduced at once the
+way mpidp DDP reduces its buckets (``mpidp.overlap``'s inline strategy): the
+fused buffers live in a window of the node's shared memory (``mpidp.shm``)
+where the set's ranks share nodes, and a buffer outside it (one large
+gradient) goes through MPI chunk by chunk.
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ from numbers import Real
 import torch
 
 from .. import _args
+from .. import agreement as _agreement
+from .. import overlap as _overlap
 from ..buckets import Bucket, assign_buckets
+from ..comm import chunking as _chunking
 from ..ddp_options import FIRST_BUCKET_MB
 from . import process_sets as _sets
 from . import requests as _requests
 from . import settings as _settings
 from .compression import Compression
-from .reductions import Average, Sum, allreduce_async_, resolve_op
+from .reductions import Average, Sum, bucket_allreduce_async_, resolve_op
 
 __all__ = ["DistributedOptimizer"]
 
@@ -141,8 +151,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = [[params[k] for k in members] for members in buckets]
         self._bucket_of = {id(p): b for b, members in enumerate(self._buckets) for p in members}
         self._flat = [Bucket(members) if len(members) > 1 else None for members in self._buckets]
+        self._strategy = None
+        if self._process_set.included():
+            self._strategy = _overlap.Blocking(self._process_set.data, _chunking.chunk_bytes())
+            self._adopt_window()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self._reset()
+
+    def _adopt_window(self) -> None:
+        """Put the CPU fused buffers in one shared mapping of the set's node (collective over the set).
+
+        The layout is checked alike on every rank first; where it differs (the
+        negotiation of the first bucket then names the difference) or no mapping
+        could be made, the buffers stay private and go through MPI.
+        """
+        node = self._process_set.shared_node()
+        if node is None:
+            return
+        flats = [flat for flat in self._flat if flat is not None and flat.buffer.device.type == "cpu"]
+        mine = [(str(flat.buffer.dtype), flat.buffer.numel()) for flat in flats]
+        # over the whole set, not the node: allocate() is collective across nodes too, so
+        # every rank of the set must take the same way on from here
+        layouts = _agreement.watched_allgather(self._process_set.comm, mine,
+                                               "hvd.DistributedOptimizer layout")
+        if not flats or any(layout != mine for layout in layouts):
+            return
+        offsets, total = [], 0
+        for flat in flats:
+            offsets.append(total)
+            total += -(-flat.buffer.nbytes // 64) * 64
+        window = node.allocate(total)
+        if window is None:
+            return
+        for flat, offset in zip(flats, offsets):
+            flat.bind(window.tensor(offset, flat.buffer.numel(), flat.buffer.dtype))
+        self._strategy.window = window
 
     def _reset(self) -> None:
         self._delay = {id(p): self._passes for p in self._params}
@@ -191,9 +234,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor = flat.buffer
         compressed, context = self._compression.compress(tensor)
         scales = (1 / self._predivide, self._predivide) if self._op == Average else (1.0, 1.0)
-        handle = allreduce_async_(compressed, name=self._names[members[0]], op=self._op,
-                                  prescale_factor=scales[0], postscale_factor=scales[1],
-                                  process_set=self._process_set)
+        handle = bucket_allreduce_async_(compressed, self._strategy, self._names[members[0]],
+                                         self._op, scales[0], scales[1], self._process_set)
         self._handles[b] = (handle, context)
 
     def synchronize(self) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from mpi4py import MPI
 
 from .. import _args
 from .. import agreement as _agreement
+from .. import ddp_options as _ddp_options
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
@@ -46,6 +48,7 @@ class ProcessSet:
         self.process_set_id = None
         self.comm = self.data = self.control = None  # set on members when registered
         self.lock = threading.Lock()  # a collective's control and data messages start together
+        self._node = None  # (mpidp.shm.Node or None,) once asked for: see shared_node
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -62,12 +65,26 @@ class ProcessSet:
         """This rank's rank within the set (None where it is not a member)."""
         return self.data.Get_rank() if self.data is not None else None
 
+    def shared_node(self):
+        """The set's ranks grouped by node for shared-memory reduction, or None (collective, once).
+
+        None where the nodes hold one rank of the set each, or different numbers,
+        or ``MPIDP_SHARED_MEMORY=0``. The Node's communicators carry the barriers of
+        the set's optimizers, which reduce under ``lock``, one bucket at a time.
+        """
+        if self._node is None:
+            self._node = (_ddp_options.shared_memory_node(None, self.comm, torch.device("cpu")),)
+        return self._node[0]
+
     def _attach(self, comm: MPI.Intracomm, process_set_id: int) -> None:
         self.process_set_id = process_set_id
         if comm != MPI.COMM_NULL:
             self.comm, self.data, self.control = comm, comm.Dup(), comm.Dup()
 
     def _detach(self) -> None:
+        if self._node is not None and self._node[0] is not None:
+            self._node[0].free()
+        self._node = None
         for comm in (self.data, self.control, self.comm):
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()

@@ -79,8 +79,13 @@ def _check_name(name) -> None:
 
 
 def _begin(tensors, inplace: bool, op, average, name, prescale_factor, postscale_factor,
-           process_set) -> _requests.Request:
-    """Start the allreduce of ``tensors`` (one message per dtype and device)."""
+           process_set, strategy=None) -> _requests.Request:
+    """Start the allreduce of ``tensors`` (one message per dtype and device).
+
+    ``strategy`` (an ``mpidp.overlap`` one, for the optimizer's buckets) reduces a CPU
+    sum at once the way mpidp DDP does: in the node's shared memory where its window
+    holds the tensor, else chunk by chunk (``Average`` still scales the sum after).
+    """
     process_set = process_set_of(process_set)
     with _requests.checking(process_set, _requests.ALLREDUCE):
         op = resolve_op(op, average)
@@ -95,10 +100,11 @@ def _begin(tensors, inplace: bool, op, average, name, prescale_factor, postscale
         groups.setdefault((tensor.dtype, tensor.device), []).append(k)
     scale = postscale_factor / (process_set.data.Get_size() if op == Average else 1)
     detail = _detail(op, prescale_factor, postscale_factor)
+    direct = strategy if op in (Average, Sum) else None  # scaled after the sum, as Horovod does
     outputs = [None] * len(tensors)
     parts = [_begin_group([_requests.wrap_tensor(tensors[k]) for k in members], members, outputs,
                           inplace, _MPI_OPS[op], prescale_factor, scale, name, process_set,
-                          detail)
+                          detail, direct)
              for members in groups.values()]
     if len(parts) > 1:
         return _requests.Request(parts, lambda: outputs, (), _requests.ALLREDUCE, name,
@@ -115,7 +121,7 @@ def _detail(op: int, prescale_factor, postscale_factor) -> str:
 
 
 def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, name, process_set,
-                 detail):
+                 detail, direct=None):
     if len(tensors) == 1:
         flat = tensors[0] if inplace and tensors[0].is_contiguous() else tensors[0].clone(
             memory_format=torch.contiguous_format)
@@ -126,6 +132,10 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
 
     def launch():
         return [_comm.iallreduce(flat, mpi_op, comm=process_set.data)]
+
+    def reduce_now():
+        direct.start(flat)
+        return []
 
     def finish():
         if scale != 1:
@@ -142,8 +152,12 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
 
     shape = tuple(tensors[0].shape) if len(tensors) == 1 and tensors[0].dim() <= 8 \
         else (flat.numel(),)
+    cpu = flat.device.type == "cpu"
+    if direct is not None:  # where it goes depends on the device: every rank must agree on it
+        detail = f"{detail}, {flat.device.type} memory"
     return _requests.begin(process_set, _requests.ALLREDUCE, launch, finish,
                            keep=(tensors, flat), name=name, nbytes=flat.nbytes,
+                           direct=reduce_now if direct is not None and cpu else None,
                            dtype=flat.dtype, op=mpi_op, shape=shape, detail=detail)
 
 
@@ -178,6 +192,13 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """``allreduce_async`` that writes the result into ``tensor``."""
     return _single(_begin([tensor], True, op, average, name, prescale_factor, postscale_factor,
                           process_set))
+
+
+def bucket_allreduce_async_(tensor, strategy, name, op, prescale_factor, postscale_factor,
+                            process_set) -> int:
+    """``allreduce_async_`` of a ``DistributedOptimizer`` bucket, reduced by ``strategy`` (see ``_begin``)."""
+    return _single(_begin([tensor], True, op, None, name, prescale_factor, postscale_factor,
+                          process_set, strategy))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,

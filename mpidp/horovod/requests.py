@@ -269,18 +269,21 @@ def joined_error(kind: int, joined: list[int], root: int = -1) -> ValueError:
 
 
 def begin(process_set: _sets.ProcessSet, kind: int, launch, finish, keep=(), *, name=None,
-          nbytes: int = 0, **fields) -> Request:
+          nbytes: int = 0, direct=None, **fields) -> Request:
     """Negotiate a collective with the set's other ranks, then start it; ``register`` it next.
 
     Args:
         launch: starts the data collectives on ``process_set.data``; returns their Handles.
         finish: called once they completed; its value is what ``synchronize`` returns.
         keep: tensors to hold until then.
+        direct: runs the data collectives to completion instead of ``launch`` (returns no
+            Handles) where no rank has joined, which every rank learns from the
+            negotiation alike; joined ranks serve only what ``launch`` starts.
         fields: the call, which every rank must make alike (dtype, op, root, shape, detail).
     """
     with process_set.lock:
-        negotiate(process_set, kind, name=name, **fields)
-        handles = launch()
+        message = negotiate(process_set, kind, name=name, **fields)
+        handles = direct() if direct is not None and not message.joined else launch()
     return Request(handles, finish, keep, kind, name, process_set, nbytes)
 
 
