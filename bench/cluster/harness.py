@@ -68,6 +68,15 @@ def unavailable() -> str | None:
     return None
 
 
+def _under_tmp() -> list[Path]:
+    """The checkout and the Python environment, where they live under /tmp (outermost only)."""
+    root = Path(__file__).resolve().parents[2]
+    found = sorted({path for path in (root, Path(sys.prefix).resolve())
+                    if path.is_relative_to("/tmp") and path != Path("/tmp")})
+    return [path for path in found if not any(path != other and path.is_relative_to(other)
+                                              for other in found)]
+
+
 def _sh(*argv, timeout: float = 30, check: bool = True) -> str:
     result = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                             timeout=timeout)
@@ -438,9 +447,20 @@ class Cluster:
         setup = [f"hostname {name}", "ip link set lo up",
                  f"mount --bind {files / 'hosts'} /etc/hosts"]
         if self.isolate:
-            setup += ["mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
-                      "mount -t tmpfs -o mode=1777 tmpfs /tmp",
-                      "mount -t sysfs sysfs /sys",  # this namespace's interfaces in /sys/class/net
+            setup += ["mount -t tmpfs -o mode=1777 tmpfs /dev/shm"]
+            # the node's own /tmp hides the host's: a checkout or Python under /tmp (a CI
+            # clone in /tmp, say) is bound back at the same path, read through a handle on
+            # the host's /tmp taken before the tmpfs covers it
+            kept = _under_tmp()
+            if kept:
+                setup += [f"mkdir -p {files / 'host-tmp'}",
+                          f"mount --bind /tmp {files / 'host-tmp'}"]
+            setup += ["mount -t tmpfs -o mode=1777 tmpfs /tmp"]
+            for path in kept:
+                inside = files / "host-tmp" / path.relative_to("/tmp")
+                setup += [f"mkdir -p {shlex.quote(str(path))}",
+                          f"mount --bind {shlex.quote(str(inside))} {shlex.quote(str(path))}"]
+            setup += ["mount -t sysfs sysfs /sys",  # this namespace's interfaces in /sys/class/net
                       f"mount --bind {files / 'boot_id'} /proc/sys/kernel/random/boot_id",
                       f"mount --bind {files / 'machine-id'} /etc/machine-id"]
             if Path("/var/lib/dbus/machine-id").exists():
@@ -507,7 +527,9 @@ class Cluster:
         killed = _kill_all(self.inodes, spare=set(self.pids.values()))
         if self.isolate:
             for name in self.names:
-                self.exec(name, ["find", "/dev/shm", "/tmp", "-mindepth", "1", "-delete"])
+                # -xdev: never into what is bound back from the host's /tmp (_under_tmp)
+                self.exec(name, ["find", "/dev/shm", "/tmp", "-xdev", "-mindepth", "1",
+                                 "-delete"])
         return killed
 
     # -- jobs
