@@ -48,9 +48,6 @@ class Chunks:
         self._stage_from = stage_from
         self._staged = None  # the side stream's event once the copy is queued
         self.gate = None  # a work.CallCheck: no chunk starts before every rank agrees
-        # host memory throughout: a program thread waiting on it may drive it (rule 3);
-        # device memory stays with the progress thread and its streams (rule 6)
-        self.host_only = stage_from is None and not tensor.is_cuda
 
     def _staging_done(self) -> bool:
         if self._stage_from is None:

@@ -19,21 +19,20 @@ thread of its own could start (docs/concurrency.md has the whole model):
    (two groups over the same ranks, as in FSDP2's HSDP, issued in different
    orders on different ranks).
 3. A chunked all_reduce (larger than ``MPIDP_CHUNK_MB``) goes one chunk at a
-   time on its group's chunk communicator. Chunks start only for the oldest
-   unfinished Work of the group (the head of its queue), so the chunk
-   communicator carries the group's chunked all_reduces in the group's order
-   on every rank. The progress thread starts them, or a program thread that
-   waits on that head and has claimed it (``wait()`` first waits on every
-   earlier Work of the group; claimed, the progress thread leaves it alone):
-   it starts and tests them without blocking, as the progress thread would,
-   with host memory only (device memory stays with the progress thread, rule
-   6). One chunk in flight moves 64 MB as fast as blocking 4 MiB chunks do
-   (16.8 vs 17.2 ms, MPICH, 2 ranks).
+   time on its group's chunk communicator. Only the progress thread starts
+   chunks, and only for the oldest unfinished Work of the group (the head of
+   its queue), so the chunk communicator carries the group's chunked
+   all_reduces in the group's order on every rank. One chunk in flight moves
+   64 MB as fast as blocking 4 MiB chunks do (16.8 vs 17.2 ms, MPICH, 2 ranks).
+   A blocking caller that drove its own chunks instead (tried on 2026-11-26)
+   was slower, 16-22 against 15-17 ms for 64 MiB: the progress thread still
+   spins after the call arrives, and two spinning threads per rank on 2 cores
+   cost more than the hand-over saves.
 4. A program thread that waits blocks only in ``MPI_Wait`` on a request it
    started (everything the rank owes has been started, or will be by rule 2),
-   drives a chunked Work it heads (rule 3, never blocking), or sleeps on a
-   chunked Work's event. A future's callback runs on the progress thread; a
-   collective it issues is driven there (rule 2), not waited on.
+   or sleeps on a chunked Work's event. A future's callback runs on the
+   progress thread; a collective it issues is driven there (rule 2), not
+   waited on.
 5. Every Work has a deadline: the group's timeout (``init_process_group``'s
    ``timeout``, torch's default otherwise). Past it, ``wait()`` and the future
    fail with ``torch.distributed.DistBackendError`` naming the operation; MPI

@@ -287,8 +287,6 @@ class Work(dist.Work):
         if self._state != "done":
             if progress.in_thread():
                 progress.drive(self, deadline)  # a callback's collective (rule 4)
-            elif self._chunks is not None and self._chunks.host_only and self._claim():
-                self._drive_claimed(deadline, explicit is not None)
             elif self._chunks is not None or not self._claim():
                 self._sleep_until_done(deadline, explicit is not None)
             else:
@@ -312,36 +310,6 @@ class Work(dist.Work):
             while self._handles:
                 wait_request(self._handles[0], deadline)
                 self._verify(self._handles.pop(0))
-            if self._finish is not None:
-                self._finish()
-        except TimeoutError:
-            self._unclaim(explicit)
-            return
-        except Exception as error:
-            self._error = error
-        self._finish_claimed()
-
-    def _drive_claimed(self, deadline, explicit: bool) -> None:
-        """Start and test this chunked Work's chunks on this thread until done (rule 3).
-
-        The caller waits on it, so every earlier Work of its group is done
-        (``wait()``): it heads the group's queue, the one whose chunks may start, and
-        claimed it is the progress thread's no more. Handing it over cost 16-64 MiB
-        all_reduces 1.16x (the progress thread's wake-ups and rounds between chunks).
-        Tests without sleeping as ``wait_request`` does, then backs off.
-        """
-        chunks = self._chunks
-        try:
-            spin_until, sleep = time.monotonic() + _SPIN_SECONDS, 0.0
-            while not chunks.advance():
-                now = time.monotonic()
-                if chunks.moved:
-                    chunks.moved, spin_until, sleep = False, now + _SPIN_SECONDS, 0.0
-                if deadline is not None and now > deadline:
-                    raise TimeoutError
-                if now > spin_until:
-                    sleep = min(max(2 * sleep, 20e-6), 1e-3)
-                    time.sleep(sleep)
             if self._finish is not None:
                 self._finish()
         except TimeoutError:
