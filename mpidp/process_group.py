@@ -124,7 +124,7 @@ def _create(common, options):
 # thread tests without sleeping for this long, then backs off (a receive that waits for
 # a late message should not keep a core busy).
 _progress.spin_seconds = _env.number("MPIDP_PROGRESS_SPIN_MS", 10, minimum=0) / 1e3
-# The call check (mpidp.work.CallCheck) doubles a tiny all_reduce's time (bench/check_cost.py);
+# The call check (mpidp.work.CallCheck) costs a tiny blocking all_reduce about 1.6x (bench/check_cost.py);
 # MPIDP_CHECK_CALLS=0 trades it for MPI's undefined behaviour on calls that differ.
 _CHECK_CALLS = _env.flag("MPIDP_CHECK_CALLS", True)
 atexit.register(_progress.stop)  # after mpi4py's import registered MPI_Finalize: runs before it
