@@ -215,7 +215,9 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             "dist.init_process_group('gloo')\n"
             "t = torch.ones(1) * (int(os.environ['RANK']) + 1)\n"
             "dist.all_reduce(t)\n"
-            "print('sum', int(t.item()), 'args', sys.argv[1:], flush=True)\n"
+            # one write(2) per line: print() writes its parts one by one, and the
+            # launcher interleaves two ranks' parts ("sumsum  33 ...", seen in CI)
+            "os.write(1, f'sum {int(t.item())} args {sys.argv[1:]}\\n'.encode())\n"
             "if sys.argv[1:] == ['--fail'] and dist.get_rank() == 1:\n"
             "    raise RuntimeError('rank 1 gives up')\n"
             "dist.destroy_process_group()\n")
