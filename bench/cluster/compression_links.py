@@ -4,6 +4,7 @@
     python bench/cluster/compression_links.py --rates 10gbit --models wide --steps 6
     python bench/cluster/compression_links.py report               # rewrite report.md only
     python bench/cluster/compression_links.py hook-profile --hook psgd4 --model wide
+    python bench/cluster/compression_links.py --rates 10gbit --threads 8   # cores to spare
 
 For each link rate it brings up 2 nodes x 1 rank (``harness.Cluster``, prefix
 ``mpidpz``), runs two jobs and tears the nodes down:
@@ -134,7 +135,7 @@ def train(args) -> None:
 
     sys.path.insert(0, str(HERE.parent))  # bench/models.py
     comm = MPI.COMM_WORLD
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     modes = [Mode(name, args.model) for name in args.modes]
     records = {mode.name: [] for mode in modes}
     for mode in modes:
@@ -151,7 +152,7 @@ def train(args) -> None:
         if comm.rank != 0:
             continue
         result = dict(kind="train", rate=args.rate, model=args.model, mode=mode.name,
-                      ranks=comm.size, steps=len(steps), median_ms=statistics.median(slowest) * 1e3,
+                      ranks=comm.size, threads=args.threads, steps=len(steps), median_ms=statistics.median(slowest) * 1e3,
                       min_ms=min(slowest) * 1e3,
                       wire_mb=statistics.median(r["wire"] for r in steps) / 1e6)
         if mode.ddp is not None:
@@ -171,7 +172,7 @@ def hook_profile(args) -> str:
     from torch.profiler import profile as profiler
 
     sys.path.insert(0, str(HERE.parent))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     mode = Mode(f"self-{args.hook}", args.model)
     for _ in range(args.warmup):
         mode.step()
@@ -180,8 +181,9 @@ def hook_profile(args) -> str:
             mode.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     text = (f"python bench/cluster/compression_links.py hook-profile --hook {args.hook} "
-            f"--model {args.model} --steps {args.steps}: {args.steps} steps of the DDP with "
-            f"the hook on MPI.COMM_SELF, one thread\n\n{table}\n")
+            f"--model {args.model} --steps {args.steps} --threads {args.threads}: {args.steps} "
+            f"steps of the DDP with the hook on MPI.COMM_SELF, {args.threads} torch "
+            f"thread(s)\n\n{table}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"hook_profile_{args.hook}_{args.model}.txt").write_text(text)
     return text
@@ -201,6 +203,7 @@ def run_rate(rate: str, args) -> None:
         for model in args.models:
             jobs.append([sys.executable, here, "train", *common, "--model", model,
                          "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--threads", str(args.threads),
                          "--modes", *args.modes])
         for argv in jobs:
             result = cluster.run(["nice", "-n", "5", *argv], ppn=1, timeout=args.timeout)
@@ -328,6 +331,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (1: one core per rank, as on the 2-core "
+                             "machine; a rank on a NUMA domain has many)")
     parser.add_argument("--prefix", default="mpidpz", help="the cluster's prefix")
     parser.add_argument("--timeout", type=float, default=300, help="limit of each job (s)")
     parser.add_argument("--out", type=Path, default=OUT)
