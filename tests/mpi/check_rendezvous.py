@@ -195,7 +195,8 @@ def test_the_address_is_the_interface_on_the_link_to_the_other_node():
 def _launch(nprocs: int, args: list[str]) -> subprocess.CompletedProcess:
     """A nested job from rank 0: this job's PMI and MPI variables removed, mpidp's too."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "HYDRA", "MPIR", "MPICH", "OMPI", "PMIX"))
+           if (not k.startswith(("PMI_", "HYDRA", "MPIR", "MPICH", "OMPI", "PMIX", "PRTE"))
+               or k.startswith("OMPI_ALLOW_RUN_AS_ROOT"))  # the user's, not the job's
            and k not in rendezvous.exported()}
     command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(nprocs), sys.executable,
                "-m", "mpidp", "run", *args]
