@@ -120,34 +120,85 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
     allreduce. The only roundings are the compression of each rank's
     contribution and of the sum, never of a partial sum. (MPI has no
     float16/bfloat16 sum of its own, and a pairwise reduction in ``dtype``
-    would round every partial sum.) Every rank receives the same bits. The
-    work buffers (two 16-bit copies of the bucket, and beyond 2 ranks two
-    float32 blocks) are kept for the next call with the same size.
+    would round every partial sum.) Every rank receives the same bits.
+
+    The buffer goes in chunks of ``MPIDP_CHUNK_MB`` (``mpidp.comm.chunking``),
+    pipelined: chunk k is divided and rounded while it is still in cache, and
+    while chunk k-1's alltoall and chunk k-2's allgather are in flight (each
+    local step tests them, which drives MPI's progress). Every rank cuts the
+    same chunks from the buffer's size, the world size and the chunk size
+    (facts all ranks share), and issues, chunk by chunk, alltoall k then
+    allgather k-1, so the nonblocking collectives match in one order. The
+    results do not depend on the chunking: each element goes through the same
+    roundings and sums. The work buffers (two 16-bit copies of the bucket,
+    and beyond 2 ranks two float32 blocks) are kept for the next call with
+    the same size.
     """
     size = _size(comm)
     numel = buffer.numel()
-    block = -(-numel // size)
-    compressed, received, total, scratch = _workspace(numel, size, dtype, buffer.device)
-    # (torch's mixed-dtype kernels are ~10x slower than these same-dtype ones)
-    buffer.div_(size)  # the bucket is overwritten with the result anyway
-    compressed[:numel].copy_(buffer)  # the one rounding of this rank's part
+    flat = buffer.view(-1)
     if size == 1:
-        buffer.copy_(compressed[:numel])
+        compressed = _workspace(numel, 1, numel, dtype, buffer.device)[0]
+        flat.div_(size)
+        compressed[:numel].copy_(flat)
+        flat.copy_(compressed[:numel])
         return buffer
-    _comm.alltoall(received, compressed, comm=comm)
-    parts = received.view(size, block)
+    step = max(1, _chunking.chunk_bytes() // buffer.element_size() // size) * size
+    compressed, received, *floats = _workspace(numel, size, step, dtype, buffer.device)
     rank = _comm._base(comm).Get_rank()
-    mine = compressed[rank * block:(rank + 1) * block]
-    if size == 2:
-        torch.add(parts[0], parts[1], out=mine)  # computed in float32, rounded once
-    else:
-        total.copy_(parts[0])
-        for part in parts[1:]:  # rank order
-            scratch.copy_(part)
-            total.add_(scratch)
-        mine.copy_(total)  # the one rounding of the sum
-    _comm.allgather(compressed, mine, comm=comm)
-    buffer.copy_(compressed[:numel])
+    spans = [(at, min(at + step, numel)) for at in range(0, numel, step)]
+    sent: list = [None] * len(spans)  # chunk k's alltoall, then its allgather
+    gathered: list = [None] * len(spans)
+
+    def poll() -> None:  # drive the transfers in flight while this rank computes
+        for handle in sent + gathered:
+            if handle is not None:
+                handle.is_completed()
+
+    def padded(k: int) -> slice:  # chunk k and the zeros that make it N equal blocks
+        at, stop = spans[k]
+        return slice(at, at + -(-(stop - at) // size) * size)
+
+    def pack(k: int) -> None:  # divide chunk k (in place: it is overwritten anyway), round it
+        at, stop = spans[k]
+        piece = flat[at:stop]
+        piece.div_(size)
+        poll()
+        compressed[at:stop].copy_(piece)  # the one rounding of this rank's part
+        sent[k] = _comm.ialltoall(received[padded(k)], compressed[padded(k)], comm=comm)
+
+    def reduce(k: int) -> None:  # sum chunk k's parts of this rank, in rank order; gather
+        sent[k].wait()
+        sent[k] = None
+        span = padded(k)
+        block = (span.stop - span.start) // size
+        parts = received[span].view(size, block)
+        mine = compressed[span.start + rank * block:span.start + (rank + 1) * block]
+        if size == 2:
+            torch.add(parts[0], parts[1], out=mine)  # computed in float32, rounded once
+        else:
+            total, scratch = floats[0][:block], floats[1][:block]
+            total.copy_(parts[0])
+            for part in parts[1:]:
+                scratch.copy_(part)
+                total.add_(scratch)
+                poll()
+            mine.copy_(total)  # the one rounding of the sum
+        gathered[k] = _comm.iallgather(compressed[span], mine, comm=comm)
+
+    def unpack(k: int) -> None:
+        at, stop = spans[k]
+        gathered[k].wait()
+        gathered[k] = None
+        flat[at:stop].copy_(compressed[at:stop])
+
+    for k in range(len(spans) + 2):
+        if k < len(spans):
+            pack(k)
+        if 1 <= k <= len(spans):
+            reduce(k - 1)
+        if k >= 2:
+            unpack(k - 2)
     return buffer
 
 
@@ -156,14 +207,15 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
 _WORKSPACES: dict[tuple, tuple] = {}
 
 
-def _workspace(numel: int, size: int, dtype: torch.dtype, device: torch.device):
-    key = (numel, size, dtype, device)
+def _workspace(numel: int, size: int, step: int, dtype: torch.dtype, device: torch.device):
+    """16-bit send and receive buffers of ``numel`` rounded up to N blocks; float32 blocks."""
+    key = (numel, size, step, dtype, device)
     if key not in _WORKSPACES:
-        block = -(-numel // size)
-        compressed = torch.zeros(block * size, dtype=dtype, device=device)  # padding stays 0
-        floats = [torch.empty(block, dtype=torch.float32, device=device) if size > 2 else None
-                  for _ in range(2)]
-        _WORKSPACES[key] = (compressed, torch.empty_like(compressed), *floats)
+        padded = -(-numel // size) * size  # only the last chunk is short of N equal blocks
+        compressed = torch.zeros(padded, dtype=dtype, device=device)  # padding stays 0
+        floats = [torch.empty(min(step, padded) // size, dtype=torch.float32, device=device)
+                  if size > 2 else None for _ in range(2)]
+        _WORKSPACES[key] = (compressed, torch.zeros_like(compressed), *floats)
     return _WORKSPACES[key]
 
 
