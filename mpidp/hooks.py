@@ -24,6 +24,8 @@ process group of the ``"mpidp"`` backend as their state.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -204,19 +206,25 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
 
 # Reused between steps, one set per bucket size: fresh big buffers every step
 # would cost a page fault per 4 KiB (the allocator returns them to the system).
-_WORKSPACES: dict[tuple, tuple] = {}
+# Rule: one set per thread. Two threads may compress buckets of one size at
+# once (two DDPs stepping in two threads, each on its own communicator);
+# shared buffers mixed their results (tests/mpi/check_hooks.py, two threads).
+_THREAD = threading.local()
 
 
 def _workspace(numel: int, size: int, step: int, dtype: torch.dtype, device: torch.device):
     """16-bit send and receive buffers of ``numel`` rounded up to N blocks; float32 blocks."""
+    workspaces = getattr(_THREAD, "workspaces", None)
+    if workspaces is None:
+        workspaces = _THREAD.workspaces = {}
     key = (numel, size, step, dtype, device)
-    if key not in _WORKSPACES:
+    if key not in workspaces:
         padded = -(-numel // size) * size  # only the last chunk is short of N equal blocks
         compressed = torch.zeros(padded, dtype=dtype, device=device)  # padding stays 0
         floats = [torch.empty(min(step, padded) // size, dtype=torch.float32, device=device)
                   if size > 2 else None for _ in range(2)]
-        _WORKSPACES[key] = (compressed, torch.zeros_like(compressed), *floats)
-    return _WORKSPACES[key]
+        workspaces[key] = (compressed, torch.zeros_like(compressed), *floats)
+    return workspaces[key]
 
 
 def fp16_compress_hook(state, bucket: GradBucket) -> torch.futures.Future:

@@ -15,6 +15,7 @@ The models are float32 and small (a few buckets of ~0.5 KiB), so the file stays 
 
 import contextlib
 import math
+import threading
 
 import pytest
 import torch
@@ -264,6 +265,39 @@ def test_compressed_allreduce_sends_no_more_than_its_share(numel, chunk_mb, monk
     assert sum(sent) == -(-numel // SIZE) * SIZE, sent
     chunk = chunking.chunk_bytes() // 4 // SIZE * SIZE
     assert len(sent) == -(-numel // chunk), sent
+
+
+def test_compressed_allreduce_from_two_threads_on_two_communicators(monkeypatch):
+    """Two threads, each on a communicator of its own, compress buckets of one size at once
+    (two DDPs stepping in two threads): each thread must get work buffers of its own."""
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        pytest.skip("two threads in MPI need MPI_THREAD_MULTIPLE")
+    monkeypatch.setattr(chunking, "CHUNK_MB", 0.001)  # 17 chunks: long windows to interleave
+    numel, rounds = 4099, 20
+    inputs = [spread(numel, salt=20 + t) for t in range(2)]
+    expected = [compressed_reference(mpidp.allgather_object(x), BF16) for x in inputs]
+    comms = [MPI.COMM_WORLD.Dup() for _ in range(2)]
+    wrong: list = []
+    failed: list = []
+
+    def work(t: int) -> None:
+        try:
+            for r in range(rounds):
+                got = hooks.compressed_allreduce(inputs[t].clone(), BF16, comms[t])
+                if not torch.equal(got, expected[t]):
+                    wrong.append((t, r, (got - expected[t]).abs().max().item()))
+        except BaseException as error:  # reported below, on this rank
+            failed.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for comm in comms:
+        comm.Free()
+    assert not failed, failed
+    assert not wrong, wrong[:5]
 
 
 @pytest.mark.skipif(SIZE < 3, reason="two summands commute: no order to check")
