@@ -31,8 +31,11 @@ import torch
 from mpi4py import MPI
 
 from . import _args
+from . import agreement as _agreement
 from . import comm as _comm
+from . import watchdog as _watchdog
 from .comm import chunking as _chunking
+from .comm import pool as _pool
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "compressed_allreduce", "PowerSGDState", "powerSGD_hook"]
@@ -146,6 +149,8 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
         flat.copy_(compressed[:numel])
         return buffer
     step = max(1, _chunking.chunk_bytes() // buffer.element_size() // size) * size
+    step = min(step, -(-numel // size) * size)  # one chunk: the same cut whatever the chunk size
+    _check_same_chunks(comm, numel, step, buffer.dtype, dtype)
     compressed, received, *floats = _workspace(numel, size, step, dtype, buffer.device)
     rank = _comm._base(comm).Get_rank()
     spans = [(at, min(at + step, numel)) for at in range(0, numel, step)]
@@ -202,6 +207,39 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
         if k >= 2:
             unpack(k - 2)
     return buffer
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
+
+
+def _check_same_chunks(comm, numel: int, step: int, dtype: torch.dtype,
+                       wire: torch.dtype) -> None:
+    """Raise the same ValueError on every rank unless all cut the same chunks for the same wire.
+
+    The pipeline issues one alltoall and one allgather per chunk: a buffer
+    size, dtype or ``MPIDP_CHUNK_MB`` that differs across ranks would match
+    one rank's collectives with another's (a hang or wrong bits), and fp16
+    against bf16 would read one format as the other. One 64-byte allreduce
+    (the maxima of the facts and of their negatives) rules it out.
+    """
+    facts = [numel, step, _DTYPE_CODES.get(dtype, 0), _DTYPE_CODES.get(wire, 0)]
+    both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
+    label = "compressed_allreduce's check of sizes"
+    base = _pool._collective_comm(comm)  # the next of a pool's, as every rank takes it
+    slot = _watchdog.begin(label)
+    try:
+        base.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
+    finally:
+        slot.current = None
+    if (both[:4] == -both[4:]).all():
+        return
+    names = {code: str(name).removeprefix("torch.") for name, code in _DTYPE_CODES.items()}
+    described = [f"{n} elements of {names.get(d, 'another dtype')} sent as "
+                 f"{names.get(w, 'another dtype')} in chunks of {c}"
+                 for n, c, d, w in _agreement.watched_allgather(base, facts, label)]
+    raise ValueError(f"compressed_allreduce: every rank must pass a buffer of the same size and "
+                     f"dtype, compress to the same dtype and use the same MPIDP_CHUNK_MB; got "
+                     f"{_agreement.by_rank(described)}")
 
 
 # Reused between steps, one set per bucket size: fresh big buffers every step

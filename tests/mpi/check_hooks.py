@@ -267,6 +267,24 @@ def test_compressed_allreduce_sends_no_more_than_its_share(numel, chunk_mb, monk
     assert len(sent) == -(-numel // chunk), sent
 
 
+@pytest.mark.parametrize("differs", ["numel", "dtype", "wire", "chunk"])
+def test_compressed_allreduce_names_what_differs_across_ranks(differs, monkeypatch):
+    """One rank's buffer size, dtype, 16-bit format or chunk size differs: the same error on
+    every rank, naming each rank's, never a hang (the chunks would no longer match)."""
+    last = RANK == SIZE - 1
+    numel = 1000 + (7 if last and differs == "numel" else 0)
+    dtype = torch.float64 if last and differs == "dtype" else torch.float32
+    wire = F16 if last and differs == "wire" else BF16
+    if last and differs == "chunk":
+        monkeypatch.setattr(chunking, "CHUNK_MB", 0.001)
+    with pytest.raises(ValueError, match="every rank must pass a buffer of the same size") as error:
+        hooks.compressed_allreduce(torch.ones(numel, dtype=dtype), wire)
+    text = str(error.value)
+    assert f"rank {SIZE - 1}: " in text and "1000 elements of float32 sent as bfloat16" in text
+    # every rank is ready for the next call
+    assert torch.equal(hooks.compressed_allreduce(torch.ones(10), BF16), torch.ones(10))
+
+
 def test_compressed_allreduce_from_two_threads_on_two_communicators(monkeypatch):
     """Two threads, each on a communicator of its own, compress buckets of one size at once
     (two DDPs stepping in two threads): each thread must get work buffers of its own."""
