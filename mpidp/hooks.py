@@ -25,6 +25,7 @@ process group of the ``"mpidp"`` backend as their state.
 from __future__ import annotations
 
 import threading
+import zlib
 
 import numpy as np
 import torch
@@ -136,22 +137,38 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
     allgather k-1, so the nonblocking collectives match in one order. The
     results do not depend on the chunking: each element goes through the same
     roundings and sums. The work buffers (two 16-bit copies of the bucket,
-    and beyond 2 ranks two float32 blocks) are kept for the next call with
-    the same size.
+    and beyond 2 ranks two float32 blocks) are kept per thread for the next
+    call, grown to the largest bucket seen.
+
+    Before any data moves, one small allreduce checks that every rank's
+    buffer is usable (a contiguous floating tensor that needs no grad) and
+    that all ranks cut the same chunks for the same wire format; otherwise
+    every rank raises the same ``ValueError``, naming what each rank passed.
     """
     size = _size(comm)
-    numel = buffer.numel()
-    flat = buffer.view(-1)
-    if size == 1:
-        compressed = _workspace(numel, 1, numel, dtype, buffer.device)[0]
-        flat.div_(size)
-        compressed[:numel].copy_(flat)
-        flat.copy_(compressed[:numel])
+    problem = _buffer_problem(buffer, dtype)
+    numel = step = 0
+    if problem is None:
+        numel = buffer.numel()
+        step = max(1, _chunking.chunk_bytes() // buffer.element_size() // size) * size
+        step = min(step, max(size, -(-numel // size) * size))  # one chunk: one cut, any size
+    if size > 1 or problem is not None:
+        _check_same_chunks(comm, numel, step, buffer, dtype, problem)
+    if numel == 0:
         return buffer
-    step = max(1, _chunking.chunk_bytes() // buffer.element_size() // size) * size
-    step = min(step, -(-numel // size) * size)  # one chunk: the same cut whatever the chunk size
-    _check_same_chunks(comm, numel, step, buffer.dtype, dtype)
+    with torch.no_grad():
+        return _compressed_pipeline(buffer, dtype, comm, size, numel, step)
+
+
+def _compressed_pipeline(buffer: torch.Tensor, dtype: torch.dtype, comm, size: int, numel: int,
+                         step: int) -> torch.Tensor:
+    flat = buffer.view(-1)
     compressed, received, *floats = _workspace(numel, size, step, dtype, buffer.device)
+    if size == 1:
+        flat.div_(size)
+        compressed.copy_(flat)
+        flat.copy_(compressed)
+        return buffer
     rank = _comm._base(comm).Get_rank()
     spans = [(at, min(at + step, numel)) for at in range(0, numel, step)]
     sent: list = [None] * len(spans)  # chunk k's alltoall, then its allgather
@@ -212,41 +229,81 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
 
 
-def _check_same_chunks(comm, numel: int, step: int, dtype: torch.dtype,
-                       wire: torch.dtype) -> None:
-    """Raise the same ValueError on every rank unless all cut the same chunks for the same wire.
+def _buffer_problem(buffer, wire) -> str | None:
+    """What makes ``buffer`` unusable on this rank (None: nothing), before any rank communicates."""
+    if not isinstance(buffer, torch.Tensor):
+        return f"buffer must be a torch.Tensor, got {type(buffer).__name__}"
+    if _DTYPE_CODES.get(buffer.dtype) is None:
+        return f"buffer must be float16, bfloat16, float32 or float64, got {buffer.dtype}"
+    if _DTYPE_CODES.get(wire) is None:
+        return f"dtype (the wire format) must be float16, bfloat16, float32 or float64, got {wire}"
+    if buffer.device.type not in ("cpu", "cuda"):
+        return f"buffer must be on the CPU or a CUDA device, got {buffer.device}"
+    if not buffer.is_contiguous():
+        return (f"buffer must be contiguous (its result is written in place), got shape "
+                f"{tuple(buffer.shape)} with strides {buffer.stride()}")
+    if buffer.requires_grad:
+        return "buffer requires grad; pass buffer.detach()"
+    if buffer.is_inference() and not torch.is_inference_mode_enabled():
+        return "buffer is an inference tensor, which can be written only inside inference_mode()"
+    return None
 
-    The pipeline issues one alltoall and one allgather per chunk: a buffer
-    size, dtype or ``MPIDP_CHUNK_MB`` that differs across ranks would match
-    one rank's collectives with another's (a hang or wrong bits), and fp16
-    against bf16 would read one format as the other. One 64-byte allreduce
-    (the maxima of the facts and of their negatives) rules it out.
+
+def _agree(comm, facts: list[int], problem: bool, describe, what: str, label: str) -> None:
+    """Raise ``ValueError(what + each rank's describe())`` on every rank unless all ranks'
+    ``facts`` are equal and no rank has a ``problem``.
+
+    One allreduce of the maxima of the facts and of their negatives, on the
+    communicator a pool would hand the next collective (all ranks take the
+    same one); the descriptions travel only when something differs.
     """
-    facts = [numel, step, _DTYPE_CODES.get(dtype, 0), _DTYPE_CODES.get(wire, 0)]
+    facts = [*facts, int(problem)]
     both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
-    label = "compressed_allreduce's check of sizes"
-    base = _pool._collective_comm(comm)  # the next of a pool's, as every rank takes it
+    base = _pool._collective_comm(comm)
     slot = _watchdog.begin(label)
     try:
         base.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
     finally:
         slot.current = None
-    if (both[:4] == -both[4:]).all():
+    n = len(facts)
+    if (both[:n] == -both[n:]).all() and not both[n - 1]:
         return
-    names = {code: str(name).removeprefix("torch.") for name, code in _DTYPE_CODES.items()}
-    described = [f"{n} elements of {names.get(d, 'another dtype')} sent as "
-                 f"{names.get(w, 'another dtype')} in chunks of {c}"
-                 for n, c, d, w in _agreement.watched_allgather(base, facts, label)]
-    raise ValueError(f"compressed_allreduce: every rank must pass a buffer of the same size and "
-                     f"dtype, compress to the same dtype and use the same MPIDP_CHUNK_MB; got "
-                     f"{_agreement.by_rank(described)}")
+    raise ValueError(f"{what} "
+                     f"{_agreement.by_rank(_agreement.watched_allgather(base, describe(), label))}")
 
 
-# Reused between steps, one set per bucket size: fresh big buffers every step
-# would cost a page fault per 4 KiB (the allocator returns them to the system).
-# Rule: one set per thread. Two threads may compress buckets of one size at
-# once (two DDPs stepping in two threads, each on its own communicator);
-# shared buffers mixed their results (tests/mpi/check_hooks.py, two threads).
+def _check_same_chunks(comm, numel: int, step: int, buffer, wire, problem: str | None) -> None:
+    """Raise the same ValueError on every rank unless all can go and cut the same chunks.
+
+    The pipeline issues one alltoall and one allgather per chunk: a buffer
+    size, dtype or ``MPIDP_CHUNK_MB`` that differs across ranks would match
+    one rank's collectives with another's (a hang or wrong bits), fp16
+    against bf16 would read one format as the other, and a rank whose buffer
+    cannot be used (``_buffer_problem``) would leave the others waiting.
+    """
+    codes = [_DTYPE_CODES.get(getattr(buffer, "dtype", None), 0), _DTYPE_CODES.get(wire, 0)]
+
+    def describe() -> str:
+        if problem is not None:
+            return problem
+        names = {code: str(name).removeprefix("torch.") for name, code in _DTYPE_CODES.items()}
+        return f"{numel} elements of {names[codes[0]]} sent as {names[codes[1]]} in chunks of {step}"
+
+    _agree(comm, [numel, step, *codes], problem is not None, describe,
+           "compressed_allreduce: every rank must pass a usable buffer of the same size and "
+           "dtype, compress to the same dtype and use the same MPIDP_CHUNK_MB; got",
+           "compressed_allreduce's check of sizes")
+
+
+# Reused between calls: fresh big buffers every step would cost a page fault
+# per 4 KiB (the allocator returns them to the system). One set per thread,
+# world size, wire dtype and device, grown to the largest bucket seen and
+# sliced for smaller ones, so a DDP's buckets share it (a call finishes all
+# its transfers before it returns). Rule: one set per thread. Two threads may
+# compress at once (two DDPs stepping in two threads, each on its own
+# communicator); shared buffers mixed their results (tests/mpi/check_hooks.py,
+# two threads). Made outside inference mode, so that a first call inside it
+# does not leave later calls with tensors they may not write.
 _THREAD = threading.local()
 
 
@@ -255,14 +312,22 @@ def _workspace(numel: int, size: int, step: int, dtype: torch.dtype, device: tor
     workspaces = getattr(_THREAD, "workspaces", None)
     if workspaces is None:
         workspaces = _THREAD.workspaces = {}
-    key = (numel, size, step, dtype, device)
-    if key not in workspaces:
-        padded = -(-numel // size) * size  # only the last chunk is short of N equal blocks
-        compressed = torch.zeros(padded, dtype=dtype, device=device)  # padding stays 0
-        floats = [torch.empty(min(step, padded) // size, dtype=torch.float32, device=device)
-                  if size > 2 else None for _ in range(2)]
-        workspaces[key] = (compressed, torch.zeros_like(compressed), *floats)
-    return workspaces[key]
+    key = (size, dtype, device)
+    padded = -(-numel // size) * size  # only the last chunk is short of N equal blocks
+    block = step // size if size > 2 else 0
+    have = workspaces.get(key)
+    if have is None or have[0].numel() < padded or have[2].numel() < block:
+        with torch.inference_mode(False):
+            capacity = max(padded, have[0].numel() if have else 0)
+            blocks = max(block, have[2].numel() if have else 0)
+            have = workspaces[key] = (
+                torch.empty(capacity, dtype=dtype, device=device),
+                torch.empty(capacity, dtype=dtype, device=device),
+                torch.empty(blocks, dtype=torch.float32, device=device),
+                torch.empty(blocks, dtype=torch.float32, device=device))
+    compressed, received, total, scratch = have
+    compressed[numel:padded].zero_()  # the last block's padding: zeros sum to zeros
+    return compressed[:padded], received[:padded], total[:block], scratch[:block]
 
 
 def fp16_compress_hook(state, bucket: GradBucket) -> torch.futures.Future:
@@ -345,9 +410,48 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     comm = state.comm
     size = _size(comm)
     buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
+    compressing = state.iter >= state.start_powerSGD_iter
+    if size > 1:
+        _check_powersgd_bucket(state, bucket, compressing)
+    if not compressing:
         state.maybe_increase_iter(bucket)
         return allreduce_hook(comm, bucket)
+    try:
+        return _powersgd(state, bucket, comm, size, buffer)
+    except BaseException:
+        # a failed step must not feed its half-made difference (or the whole
+        # gradient, copied into the error first) into the next one
+        state.error_dict.pop(bucket.index(), None)
+        raise
+
+
+def _check_powersgd_bucket(state: PowerSGDState, bucket: GradBucket, compressing: bool) -> None:
+    """Raise the same ValueError on every rank unless all are at the same phase with the same
+    bucket and settings: the factors' allreduces would otherwise pair unlike matrices (wrong
+    numbers) or unlike sizes (MPI's "Message truncated")."""
+    shapes = [tuple(gradient.shape) for gradient in bucket.gradients()]
+    buffer = bucket.buffer()
+    settings = (state.matrix_approximation_rank, state.min_compression_rate,
+                state.use_error_feedback, state.warm_start)
+    facts = [buffer.numel(), _DTYPE_CODES.get(buffer.dtype, 0), int(compressing),
+             zlib.crc32(repr((shapes, settings)).encode())]
+
+    def describe() -> str:
+        phase = ("compressing" if compressing else
+                 f"exact (step {state.iter} of the first {state.start_powerSGD_iter})")
+        shown = ", ".join(map(str, shapes[:6])) + (", ..." if len(shapes) > 6 else "")
+        return (f"bucket {bucket.index()} of {buffer.numel()} {buffer.dtype} elements, "
+                f"gradients {shown}, {phase}, matrix_approximation_rank={settings[0]}, "
+                f"min_compression_rate={settings[1]}, use_error_feedback={settings[2]}, "
+                f"warm_start={settings[3]}")
+
+    _agree(state.comm, facts, False, describe,
+           "powerSGD_hook: every rank must reduce the same bucket at the same step with the "
+           "same PowerSGDState settings; got", "powerSGD_hook's check of the bucket")
+
+
+def _powersgd(state: PowerSGDState, bucket: GradBucket, comm, size: int,
+              buffer: torch.Tensor) -> torch.futures.Future:
     index = bucket.index()
     dtype, device = buffer.dtype, buffer.device
     error = None
@@ -403,11 +507,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         for q in qs:
             _orthogonalize(q, state.orthogonalization_epsilon)
     else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(state.rng.randint(1_000_000_000))
-            for q in qs:
-                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
-                _orthogonalize(q, state.orthogonalization_epsilon)
+        # torch seeds the process's generator under fork_rng; a generator of
+        # its own gives the same numbers and leaves the caller's, and another
+        # thread's, random state alone
+        generator = torch.Generator().manual_seed(state.rng.randint(1_000_000_000))
+        for q in qs:
+            q.copy_(torch.randn(*q.shape, generator=generator, dtype=dtype))
+            _orthogonalize(q, state.orthogonalization_epsilon)
     for matrix, q, p in zip(matrices, qs, ps):
         torch.bmm(matrix, q, out=p)
     if exact:

@@ -183,9 +183,10 @@ def assert_alive():
 
 def compressed_reference(inputs, dtype):
     """The definition: round(sum in float32, in rank order, of round(x_r / N)), as float32."""
-    total = torch.zeros(inputs[0].shape, dtype=torch.float32)
-    for x in inputs:  # rank order
-        total += (x / SIZE).to(dtype).to(torch.float32)
+    terms = [(x / SIZE).to(dtype).to(torch.float32) for x in inputs]
+    total = terms[0].clone()  # not 0 + ...: -0 + -0 is -0, but 0 + -0 is 0
+    for term in terms[1:]:  # rank order
+        total += term
     return total.to(dtype).to(torch.float32)
 
 
@@ -277,12 +278,97 @@ def test_compressed_allreduce_names_what_differs_across_ranks(differs, monkeypat
     wire = F16 if last and differs == "wire" else BF16
     if last and differs == "chunk":
         monkeypatch.setattr(chunking, "CHUNK_MB", 0.001)
-    with pytest.raises(ValueError, match="every rank must pass a buffer of the same size") as error:
+    with pytest.raises(ValueError, match="every rank must pass a usable buffer of the same size") as error:
         hooks.compressed_allreduce(torch.ones(numel, dtype=dtype), wire)
     text = str(error.value)
     assert f"rank {SIZE - 1}: " in text and "1000 elements of float32 sent as bfloat16" in text
     # every rank is ready for the next call
     assert torch.equal(hooks.compressed_allreduce(torch.ones(10), BF16), torch.ones(10))
+
+
+def _unusable(kind: str) -> torch.Tensor:
+    if kind == "strided":
+        return torch.arange(2000.0)[::2]
+    if kind == "expanded":
+        return torch.ones(1).expand(1000)
+    if kind == "requires_grad":
+        return torch.ones(1000, requires_grad=True) * 2
+    if kind == "inference":
+        with torch.inference_mode():
+            return torch.ones(1000)
+    if kind == "int32":
+        return torch.ones(1000, dtype=torch.int32)
+    return torch.ones(1000).numpy()
+
+
+@pytest.mark.parametrize("kind", ["strided", "expanded", "requires_grad", "inference", "int32",
+                                  "numpy"])
+def test_an_unusable_buffer_on_one_rank_is_the_same_error_on_every_rank(kind):
+    """Found by review: a rank that raised before the check left the others to pair their
+    collectives with its next call (wrong sums), or waiting in the alltoall for good."""
+    buffer = _unusable(kind) if RANK == SIZE - 1 else torch.ones(1000)
+    with pytest.raises(ValueError, match=f"rank {SIZE - 1}: (buffer|dtype)") as error:
+        hooks.compressed_allreduce(buffer, BF16)
+    if SIZE > 1:
+        assert "1000 elements of float32 sent as bfloat16" in str(error.value)
+    x = torch.full((1000,), float(RANK + 1))
+    hooks.compressed_allreduce(x, BF16)  # every rank goes on, in step
+    assert torch.equal(x, torch.full((1000,), (SIZE + 1) / 2))
+
+
+def test_compressed_allreduce_work_buffers_survive_inference_mode_and_many_sizes():
+    """A first call inside inference_mode once made buffers that later calls could not write;
+    one set per size grew without bound (100 sizes of ~4 MiB: +600 MiB)."""
+    with torch.inference_mode():
+        x = torch.full((4097,), 2.0)
+        hooks.compressed_allreduce(x, BF16)
+    for numel in (4097, 4096, 10, 5000, 1, 0):
+        x = torch.full((numel,), 2.0)
+        hooks.compressed_allreduce(x, BF16)
+        assert torch.equal(x, torch.full((numel,), 2.0))
+    kept = [key for key in hooks._THREAD.workspaces if key[1] == BF16]
+    assert len(kept) == 1, kept  # one set for this world size, grown to the largest
+
+
+def test_powersgd_leaves_the_global_random_state_alone():
+    """Its first Qs come from a generator of its own (torch's hook reseeds the process's,
+    which two threads' hooks raced on: 2 to 10 of 600 results wrong)."""
+    model = nn.Linear(32, 16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    views = [flat[:512].view(16, 32), flat[512:].view(16)]
+    state = hooks.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                warm_start=False, use_error_feedback=False)
+    state.iter = 2
+    before = torch.get_rng_state()
+    hooks.powerSGD_hook(state, hooks.GradBucket(0, flat, views, [None, None], True)).wait()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("differs", ["shapes", "order", "rank", "start"])
+def test_powersgd_names_a_bucket_or_setting_that_differs_across_ranks(differs):
+    """The factors' allreduces would pair unlike matrices (silently wrong) or unlike sizes."""
+    last = RANK == SIZE - 1
+    shapes = [(16, 32), (32, 16), (16,)]
+    if last and differs == "shapes":
+        shapes = [(32, 16), (32, 16), (16,)]
+    if last and differs == "order":
+        shapes = [(32, 16), (16, 32), (16,)]
+    state = hooks.PowerSGDState(None, matrix_approximation_rank=3 if last and differs == "rank"
+                                else 2, start_powerSGD_iter=3 if last and differs == "start"
+                                else 2)
+    with pytest.raises(ValueError, match="every rank must reduce the same bucket") as error:
+        for step in range(4):
+            flat = torch.randn(sum(torch.Size(shape).numel() for shape in shapes))
+            views, at = [], 0
+            for shape in shapes:
+                views.append(flat[at:at + torch.Size(shape).numel()].view(shape))
+                at += views[-1].numel()
+            hooks.powerSGD_hook(state, hooks.GradBucket(0, flat, views, [None] * 3, True))
+    assert f"rank {SIZE - 1}: bucket 0" in str(error.value)
+    assert step == (2 if differs == "start" else 0)
+    assert_alive()
 
 
 def test_compressed_allreduce_from_two_threads_on_two_communicators(monkeypatch):
