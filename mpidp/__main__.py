@@ -69,11 +69,15 @@ def run(target: list[str], module: bool) -> int:
     """Run ``target`` (a script and its arguments, or a module's) as ``__main__``."""
     rendezvous.start_up(force=True)  # one rank too: a torchrun-style program reads the variables
     sys.argv = list(target)
-    if module:
-        runpy.run_module(target[0], run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
-        runpy.run_path(target[0], run_name="__main__")
+    try:
+        if module:
+            runpy.run_module(target[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as exc:  # sys.exit(3) on one rank must end the job, as when run directly
+        runtime.abort_for_exit(exc.code)
+        raise
     return 0
 
 

@@ -168,13 +168,48 @@ def start_up(force: bool = False) -> None:
     MASTER_PORT (both are then left as they are).
     """
     world = MPI.COMM_WORLD
-    if _state.exported or not _env.flag("MPIDP_EXPORT_ENV", True) or \
-            (world.Get_size() == 1 and not force):
+    if _state.exported or (world.Get_size() == 1 and not force):
         return
-    user_master = _env.given("MASTER_ADDR") or _env.given("MASTER_PORT")
-    if not user_master and _store_kind(None) == "tcp":
+    export, serve = _agreed_start(world)
+    if not export:
+        return
+    if serve:
         _start_server(world)
     _export(world)
+
+
+def _agreed_start(world: MPI.Intracomm) -> tuple[bool, bool]:
+    """(export the variables, start the server), the same on every rank, or the same error.
+
+    Each rank reads MPIDP_EXPORT_ENV, MPIDP_STORE and whether the user set
+    MASTER_ADDR or MASTER_PORT; what follows from them is collective (the
+    server's address is gathered and broadcast), so a rank that read them
+    otherwise would leave the others waiting in it for good (seen: import
+    mpidp hung with MPIDP_STORE=local or MASTER_PORT on one rank only). One
+    small allgather at import compares them first.
+    """
+    try:
+        export = _env.flag("MPIDP_EXPORT_ENV", True)
+        kind = _store_kind(None)
+        mine = (f"MPIDP_EXPORT_ENV={'1' if export else '0'}, MPIDP_STORE={kind}, "
+                f"MASTER_ADDR {'set' if _env.given('MASTER_ADDR') else 'unset'}, "
+                f"MASTER_PORT {'set' if _env.given('MASTER_PORT') else 'unset'}")
+        problem = None
+    except ValueError as error:
+        export, kind, mine, problem = False, "", "", str(error)
+    every = agreement.watched_allgather(world, (mine, problem), "import mpidp: the rendezvous "
+                                        "settings of every rank")
+    problems = [problem for _, problem in every]
+    if any(problems):
+        raise ValueError(f"import mpidp: {agreement.by_rank(problems)}")
+    if len({setting for setting, _ in every}) > 1:
+        raise ValueError(
+            f"import mpidp: MPIDP_EXPORT_ENV, MPIDP_STORE, MASTER_ADDR and MASTER_PORT must be "
+            f"set alike on every rank (together they decide whether import mpidp starts the "
+            f"rendezvous store, which every rank takes part in); got "
+            f"{agreement.by_rank([setting for setting, _ in every])}")
+    user_master = _env.given("MASTER_ADDR") or _env.given("MASTER_PORT")
+    return export, export and not user_master and kind == "tcp"
 
 
 # -- the rendezvous -----------------------------------------------------------------------------

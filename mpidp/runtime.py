@@ -327,11 +327,21 @@ def _status_main_exits_with() -> int | None:
 
 
 def _abort_on_exit_status() -> None:
+    if _status_main_exits_with():
+        abort_for_exit(_exit_request[0])
+
+
+def abort_for_exit(code) -> None:
+    """Abort the job if ``SystemExit(code)`` ends this rank with a non-zero status.
+
+    At exit for a program run as ``python program.py`` (above); ``python -m
+    mpidp run`` calls it with the SystemExit its program raised, whose module
+    frame did not exist yet when mpidp was imported.
+    """
     if not (_abort_enabled and _ready) or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
-    status = _status_main_exits_with()
+    status = _exit_status(code)
     if status:
-        code = _exit_request[0]
         _abort([f"exiting with status {status} (SystemExit({code!r})); aborting the MPI job, "
                 f"whose other ranks may be waiting for this one"], status)
 

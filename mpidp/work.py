@@ -68,7 +68,7 @@ class CallCheck:
     (``checked_wait``); its cost is in bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it).
     """
 
-    _LABEL = "the call check of a torch.distributed operation (allreduce of 10 int64)"
+    _LABEL = "allreduce of 10 int64, the call check of a torch.distributed operation"
     _scope = None  # what the watchdog names it under: the operation's own label says it all
 
     def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool):

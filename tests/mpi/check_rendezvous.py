@@ -221,6 +221,8 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             "os.write(1, f'sum {int(t.item())} args {sys.argv[1:]}\\n'.encode())\n"
             "if sys.argv[1:] == ['--fail'] and dist.get_rank() == 1:\n"
             "    raise RuntimeError('rank 1 gives up')\n"
+            "if sys.argv[1:] == ['--exit'] and dist.get_rank() == 1:\n"
+            "    sys.exit(3)\n"
             "dist.destroy_process_group()\n")
         try:
             done = _launch(2, [str(script), "--x"])
@@ -230,6 +232,20 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             assert failed.returncode != 0
             assert "[mpidp rank 1/2] RuntimeError: rank 1 gives up" in failed.stderr, \
                 failed.stderr[-3000:]
+            # sys.exit(3) on one rank ends the job with its status (it once left the other
+            # rank waiting: the script's frame did not exist when mpidp looked for __main__)
+            exited = _launch(2, [str(script), "--exit"])
+            assert exited.returncode == 3, exited.stderr[-3000:]
+            assert "[mpidp rank 1/2] exiting with status 3" in exited.stderr
+            # a setting that decides whether import mpidp starts the store, on one rank
+            # only: the same error on every rank (it once hung in the store's start-up)
+            python = [sys.executable, "-m", "mpidp", "run", str(script), "--x"]
+            split = _launch(1, [*python[4:], ":", "-n", "1", "env", "MPIDP_STORE=local", *python])
+            assert split.returncode != 0  # the first rank to abort ends the other
+            assert "/2] ValueError: import mpidp: MPIDP_EXPORT_ENV, MPIDP_STORE, MASTER_ADDR and " \
+                "MASTER_PORT must be set alike on every rank" in split.stderr, split.stderr[-3000:]
+            assert "rank 0: MPIDP_EXPORT_ENV=1, MPIDP_STORE=tcp" in split.stderr
+            assert "rank 1: MPIDP_EXPORT_ENV=1, MPIDP_STORE=local" in split.stderr
         finally:
             script.unlink()
     WORLD.Barrier()
