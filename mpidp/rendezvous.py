@@ -308,6 +308,57 @@ def _backends(backend: str) -> set[str]:
     return {part.split(":")[-1].strip().lower() for part in str(backend).split(",")}
 
 
+def _init_problem(backend: str, store, kwargs: dict) -> str | None:
+    """What is wrong with these init_process_group arguments on this rank (None: nothing)."""
+    try:
+        if store is not None and not isinstance(store, str):
+            return None
+        kind = _store_kind(store)
+        if _MPIDP in _backends(backend) and len(_backends(backend)) > 1:
+            return (f"backend {backend!r}: torch makes a Python process group such as 'mpidp' "
+                    f"the group of every device of a device map and drops the other backends; "
+                    f"use 'mpidp' alone (CUDA tensors then go through MPI) or a map without it, "
+                    f"e.g. 'cpu:gloo,cuda:nccl'")
+        if kind == "local" and _backends(backend) != {_MPIDP}:
+            return (f"store='local' works for the 'mpidp' backend alone (each rank's store is "
+                    f"its own), got backend {backend!r}; use store='tcp'")
+        method = kwargs.get("init_method")
+        if store is not None and method is not None and method != f"{SCHEME}://?store={kind}":
+            return f"give store= or init_method=, not both (got {method!r})"
+        _ranks({name: kwargs[name] for name in ("rank", "world_size") if name in kwargs})
+    except (ValueError, TypeError) as error:
+        return str(error).removeprefix("init_process_group: ")
+    return None
+
+
+def _agree_on_init(backend: str, store, kwargs: dict) -> None:
+    """The same arguments on every rank, each valid, or the same ValueError on every rank.
+
+    Checked before anything collective: a backend, store or init_method that
+    differs on one rank (or a bad value there) otherwise left the other ranks
+    waiting in the rendezvous or the backend's start-up until the watchdog or
+    the store's timeout, or ended in MPI's "Message truncated".
+    """
+    runtime.require_mpi()
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        problem = _init_problem(backend, store, kwargs)
+        if problem is not None:
+            raise ValueError(f"init_process_group: {problem}")
+        return
+    store_text = store if store is None or isinstance(store, str) else type(store).__name__
+    mine = (f"backend={backend!r}, store={store_text!r}, "
+            f"init_method={kwargs.get('init_method')!r}")
+    every = agreement.watched_allgather(world, (mine, _init_problem(backend, store, kwargs)),
+                                        "init_process_group: the arguments of every rank")
+    problems = [problem for _, problem in every]
+    if any(problems):
+        raise ValueError(f"init_process_group: {agreement.by_rank(problems)}")
+    if len({setting for setting, _ in every}) > 1:
+        raise ValueError(f"init_process_group: every rank must pass the same backend, store and "
+                         f"init_method; got {agreement.by_rank([m for m, _ in every])}")
+
+
 def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> None:
     """``torch.distributed.init_process_group`` for any backend, ranks and store from MPI.
 
@@ -322,21 +373,11 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
             ``rank`` and ``world_size`` may be given and must equal MPI's.
     """
     backend = default_backend() if backend is None else backend
+    _agree_on_init(backend, store, kwargs)
     if store is not None and not isinstance(store, str):
         dist.init_process_group(backend, store=store, **kwargs)
         return
-    kind = _store_kind(store)
-    if _MPIDP in _backends(backend) and len(_backends(backend)) > 1:
-        raise ValueError(f"backend {backend!r}: torch makes a Python process group such as "
-                         f"'mpidp' the group of every device of a device map and drops the "
-                         f"other backends; use 'mpidp' alone (CUDA tensors then go through "
-                         f"MPI) or a map without it, e.g. 'cpu:gloo,cuda:nccl'")
-    if kind == "local" and _backends(backend) != {_MPIDP}:
-        raise ValueError(f"store='local' works for the 'mpidp' backend alone (each rank's store "
-                         f"is its own), got backend {backend!r}; use store='tcp'")
-    kwargs.setdefault("init_method", f"{SCHEME}://?store={kind}")
-    if store is not None and kwargs["init_method"] != f"{SCHEME}://?store={kind}":
-        raise ValueError(f"give store= or init_method=, not both (got {kwargs['init_method']!r})")
+    kwargs.setdefault("init_method", f"{SCHEME}://?store={_store_kind(store)}")
     if _MPIDP in _backends(backend):
         from . import process_group  # registers the backend
         process_group.register()

@@ -192,6 +192,29 @@ def test_the_address_is_the_interface_on_the_link_to_the_other_node():
         assert address.choose({}, [("peer", reachable)])[0] == address.route_source(reachable[0])
 
 
+@pytest.mark.parametrize("differs", ["backend", "store", "rank"])
+def test_init_arguments_that_differ_on_one_rank_are_the_same_error_on_every_rank(differs):
+    """Found by review: they left the other ranks in the rendezvous until the watchdog,
+    or ended in MPI's "Message truncated"."""
+    last = RANK == SIZE - 1
+    kwargs = {"backend": "gloo" if last and differs == "backend" else "mpidp"}
+    if differs == "store":
+        kwargs["store"] = "local" if last else "tcp"
+    if differs == "rank":
+        kwargs["rank"] = 0 if last else RANK
+    expected = {"backend": "every rank must pass the same backend, store and init_method",
+                "store": "every rank must pass the same backend, store and init_method",
+                "rank": f"rank {SIZE - 1}: rank=0 disagrees with MPI"}[differs]
+    with pytest.raises(ValueError, match=expected):
+        mpidp.init_process_group(**kwargs)
+    assert not dist.is_initialized()
+    mpidp.init_process_group("mpidp")  # every rank goes on, in step
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == SIZE
+    dist.destroy_process_group()
+
+
 def _launch(nprocs: int, args: list[str]) -> subprocess.CompletedProcess:
     """A nested job from rank 0: this job's PMI and MPI variables removed, mpidp's too."""
     env = {k: v for k, v in os.environ.items()
