@@ -68,6 +68,28 @@ def interface_address(name: str) -> str:
     return found[name][0]
 
 
+def given_address(value: str) -> str:
+    """``MPIDP_RDZV_ADDR``'s value, if rank 0's host can listen on it.
+
+    Raises:
+        ValueError: naming the variable, the rule and the value (a name that
+            does not resolve, or an IPv4 address of no interface of this host).
+    """
+    try:
+        resolved = sorted({info[4][0] for info in socket.getaddrinfo(value, None)})
+    except OSError as error:
+        raise ValueError(f"MPIDP_RDZV_ADDR={value!r} does not resolve to an address ({error})") \
+            from None
+    own = interfaces()
+    if not own or any(address in {a for a, _ in own.values()} or ":" in address
+                      or ipaddress.ip_address(address).is_loopback for address in resolved):
+        return value  # (IPv6 addresses are not listed by interfaces(): left to the server)
+    listed = ", ".join(f"{n} ({a})" for n, (a, _) in sorted(own.items()))
+    raise ValueError(f"MPIDP_RDZV_ADDR={value!r} ({', '.join(resolved)}) is no address of rank "
+                     f"0's host {socket.gethostname()}, so its store cannot listen there; its "
+                     f"interfaces: {listed}")
+
+
 def route_source(destination: str) -> str | None:
     """The address this host sends from toward ``destination`` (asks the kernel; no packet leaves)."""
     try:

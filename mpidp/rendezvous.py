@@ -116,7 +116,7 @@ def _choose(world: MPI.Intracomm) -> tuple[str, str]:
     peers = [report for report in reports if report is not None]
     given = _env.text("MPIDP_RDZV_ADDR")
     if given:
-        return given, "MPIDP_RDZV_ADDR"
+        return _address.given_address(given), "MPIDP_RDZV_ADDR"
     interface = _env.text("MPIDP_RDZV_IFACE")
     if interface:
         return _address.interface_address(interface), f"MPIDP_RDZV_IFACE={interface}"
@@ -127,7 +127,7 @@ def _choose(world: MPI.Intracomm) -> tuple[str, str]:
 
 def _start_server(world: MPI.Intracomm) -> None:
     """Rank 0 starts the store's server on a port the OS picks; every rank learns where (collective)."""
-    found = None
+    found = host = None
     try:
         host, why = _choose(world)
         if world.Get_rank() == 0:
@@ -136,10 +136,11 @@ def _start_server(world: MPI.Intracomm) -> None:
                                           timeout=datetime.timedelta(seconds=_connect_seconds()))
             found = (host, _state.server.port, why)
     except Exception as error:  # noqa: BLE001  every rank must hear of it
-        found = f"{type(error).__name__}: {error}"
+        where = f" on {host} (chosen from {why})" if host else ""
+        found = f"{where}: {type(error).__name__}: {error}"
     found = world.bcast(found, root=0)
     if isinstance(found, str):
-        _state.problem = f"rank 0 could not start the rendezvous store: {found}"
+        _state.problem = f"rank 0 could not start the rendezvous store{found}"
     else:
         _state.address = found
 
@@ -168,14 +169,18 @@ def start_up(force: bool = False) -> None:
     MASTER_PORT (both are then left as they are).
     """
     world = MPI.COMM_WORLD
-    if _state.exported or (world.Get_size() == 1 and not force):
-        return
-    export, serve = _agreed_start(world)
-    if not export:
-        return
-    if serve:
-        _start_server(world)
-    _export(world)
+    if not _state.exported and not (world.Get_size() == 1 and not force):
+        export, serve = _agreed_start(world)
+        if not export:
+            return
+        if serve:
+            _start_server(world)
+        _export(world)
+    if force and _state.problem is not None:
+        # python -m mpidp run exists for programs that read MASTER_ADDR: without this
+        # they would only hear torch's "MASTER_ADDR expected, but not set" (the same
+        # problem on every rank: rank 0 broadcast it)
+        raise dist.DistNetworkError(f"mpidp rendezvous: {_state.problem}; {_OVERRIDE}")
 
 
 def _agreed_start(world: MPI.Intracomm) -> tuple[bool, bool]:
@@ -349,8 +354,13 @@ def _agree_on_init(backend: str, store, kwargs: dict) -> None:
     store_text = store if store is None or isinstance(store, str) else type(store).__name__
     mine = (f"backend={backend!r}, store={store_text!r}, "
             f"init_method={kwargs.get('init_method')!r}")
-    every = agreement.watched_allgather(world, (mine, _init_problem(backend, store, kwargs)),
-                                        "init_process_group: the arguments of every rank")
+    every = agreement.watched_allgather(
+        world, (mine, _init_problem(backend, store, kwargs), _state.count),
+        "init_process_group: the arguments of every rank")
+    # each rendezvous takes the next key prefix; an init that failed on one rank after
+    # its rendezvous (caught, then retried) must not leave the ranks' prefixes apart
+    _state.count = max(count for _, _, count in every)
+    every = [(setting, problem) for setting, problem, _ in every]
     problems = [problem for _, problem in every]
     if any(problems):
         raise ValueError(f"init_process_group: {agreement.by_rank(problems)}")

@@ -215,12 +215,25 @@ def test_init_arguments_that_differ_on_one_rank_are_the_same_error_on_every_rank
     dist.destroy_process_group()
 
 
-def _launch(nprocs: int, args: list[str]) -> subprocess.CompletedProcess:
+def test_a_given_store_address_must_resolve_to_rank_0s_host():
+    """It used to reach the server's start-up: ~2.7 x MPIDP_RDZV_TIMEOUT, then an error
+    naming neither the variable nor the rule."""
+    with pytest.raises(ValueError, match=r"MPIDP_RDZV_ADDR='not_an::addr' does not resolve"):
+        address.given_address("not_an::addr")
+    with pytest.raises(ValueError, match=r"MPIDP_RDZV_ADDR='10\.255\.255\.1' \(10\.255\.255\.1\) "
+                                         r"is no address of rank 0's host .*its interfaces: "):
+        address.given_address("10.255.255.1")
+    assert address.given_address("127.0.0.1") == "127.0.0.1"
+    assert address.given_address("::1") == "::1"
+
+
+def _launch(nprocs: int, args: list[str], **extra: str) -> subprocess.CompletedProcess:
     """A nested job from rank 0: this job's PMI and MPI variables removed, mpidp's too."""
     env = {k: v for k, v in os.environ.items()
            if (not k.startswith(("PMI_", "HYDRA", "MPIR", "MPICH", "OMPI", "PMIX", "PRTE"))
                or k.startswith("OMPI_ALLOW_RUN_AS_ROOT"))  # the user's, not the job's
            and k not in rendezvous.exported()}
+    env.update(extra)
     command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(nprocs), sys.executable,
                "-m", "mpidp", "run", *args]
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -260,6 +273,12 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             exited = _launch(2, [str(script), "--exit"])
             assert exited.returncode == 3, exited.stderr[-3000:]
             assert "[mpidp rank 1/2] exiting with status 3" in exited.stderr
+            # a store that cannot start: mpidp's reason, not torch's "MASTER_ADDR expected"
+            nowhere = _launch(2, [str(script), "--x"], MPIDP_RDZV_IFACE="nosuch0")
+            assert nowhere.returncode != 0
+            assert "DistNetworkError: mpidp rendezvous: rank 0 could not start the rendezvous " \
+                "store: ValueError: MPIDP_RDZV_IFACE='nosuch0'" in nowhere.stderr, \
+                nowhere.stderr[-3000:]
             # a setting that decides whether import mpidp starts the store, on one rank
             # only: the same error on every rank (it once hung in the store's start-up)
             python = [sys.executable, "-m", "mpidp", "run", str(script), "--x"]
