@@ -14,6 +14,7 @@ import torch
 
 from . import comm as _comm
 from .comm import chunking as _chunking
+from .comm import collectives as _collectives
 
 __all__ = ["Chunks"]
 
@@ -84,7 +85,10 @@ class Chunks:
                 self._handle = None
             if self._next == len(self.pieces):
                 return True
-            self._handle = _comm.iallreduce(self.pieces[self._next], self.op, comm=self.comm)
+            # no MPIDP_DEBUG check per chunk: the gate checked the whole call, and that
+            # check would be a collective step inside the progress loop's own test
+            self._handle = _collectives._allreduce(self.pieces[self._next], self.op, self.comm,
+                                                   True, debug=False)
             self._next += 1
             self.moved = True
 
@@ -114,7 +118,7 @@ class Chunks:
             self._host.copy_(self._stage_from[0])  # on the caller's stream, synchronously
             self._stage_from = None
         for piece in self.pieces[self._next:]:
-            _comm.allreduce(piece, self.op, comm=self.comm)
+            _collectives._allreduce(piece, self.op, self.comm, False, debug=False)
         self._next = len(self.pieces)
 
     def in_flight(self) -> list:

@@ -31,7 +31,7 @@ import os
 import torch
 from mpi4py import MPI
 
-from . import _env, runtime
+from . import runtime, settings
 
 __all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "library_reports_cuda", "local_device"]
 
@@ -69,7 +69,7 @@ def decide(override: str | None, has_gpu: bool, reported: bool | None, probe) ->
     """Combine the override, the hardware, the library's word and the probe (called last).
 
     Args:
-        override: ``MPIDP_CUDA_AWARE`` read by ``_env.flag`` and normalised ("0", "1" or None).
+        override: ``MPIDP_CUDA_AWARE`` read by ``mpidp.settings`` and normalised ("0", "1" or None).
         has_gpu: whether torch sees a GPU.
         reported: ``library_reports_cuda()``.
         probe: a callable returning True if a device allreduce gave the right answer
@@ -144,7 +144,7 @@ def decision() -> Decision:
     """
     runtime.require_mpi()
     has_gpu = torch.cuda.is_available()
-    override = _env.flag("MPIDP_CUDA_AWARE", None)  # any accepted spelling, normalised for decide
+    override = settings.get("MPIDP_CUDA_AWARE")  # any accepted spelling, normalised for decide
     override = None if override is None else str(int(override))
     reported = library_reports_cuda() if has_gpu else None
     states = MPI.COMM_WORLD.allgather((override, has_gpu, reported))
@@ -158,7 +158,7 @@ def cuda_aware() -> bool:
 
 def stage_cpu() -> bool:
     """Testing aid: route CPU tensors through the staging path (``MPIDP_STAGE_CPU=1``)."""
-    return _env.flag("MPIDP_STAGE_CPU", False)
+    return settings.get("MPIDP_STAGE_CPU")
 
 
 def _start_up() -> None:

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from . import _args, _env
+from . import _args, settings
 from . import overlap as _overlap
 from . import shm as _shm
 from .comm import chunking as _chunking
@@ -137,7 +137,7 @@ def shared_memory_node(wanted: bool | None, base: MPI.Intracomm, device: torch.d
         device: the module's device (shared memory reduces CPU gradients only).
     """
     if wanted is None:
-        wanted = _env.flag("MPIDP_SHARED_MEMORY", None)  # the default for every DDP
+        wanted = settings.get("MPIDP_SHARED_MEMORY")  # the default for every DDP
     if wanted is False or base.Get_size() == 1 or device.type != "cpu":
         if wanted and device.type != "cpu":
             raise ValueError(f"shared_memory=True reduces CPU gradients; the module is on "

@@ -87,6 +87,10 @@ class Operations:
         # move host memory only; the copy back runs in finish, and wait() orders the
         # waiting stream after it (Work._record_events).
         self._check_usable()
+        if _comm.checks._DEBUG:  # as the whole call would be, on the pool member it would take
+            _comm._check_same_call(_comm._collective_comm(self._pool), "allreduce", self._async,
+                                   op=repr(op), dtype=_comm.dtypes._dtype_name(tensor.dtype),
+                                   numel=tensor.numel())
         if tensor.is_cuda and not _cuda.cuda_aware() and self._async:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             ready = torch.cuda.Event()

@@ -60,7 +60,7 @@ import time
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import _env
+from . import settings
 from . import comm as _comm
 from .comm import pool as _comm_pool
 from . import monitor as _monitor
@@ -123,10 +123,10 @@ def _create(common, options):
 # asynchronous progress thread): after a request is added or completes, the progress
 # thread tests without sleeping for this long, then backs off (a receive that waits for
 # a late message should not keep a core busy).
-_progress.spin_seconds = _env.number("MPIDP_PROGRESS_SPIN_MS", 10, minimum=0) / 1e3
+_progress.spin_seconds = settings.get("MPIDP_PROGRESS_SPIN_MS") / 1e3
 # The call check (mpidp.work.CallCheck) costs a tiny blocking all_reduce about 1.6x (bench/check_cost.py);
 # MPIDP_CHECK_CALLS=0 trades it for MPI's undefined behaviour on calls that differ.
-_CHECK_CALLS = _env.flag("MPIDP_CHECK_CALLS", True)
+_CHECK_CALLS = settings.get("MPIDP_CHECK_CALLS")
 atexit.register(_progress.stop)  # after mpi4py's import registered MPI_Finalize: runs before it
 os.register_at_fork(after_in_child=lambda: setattr(_progress, "_thread", None))
 
@@ -233,7 +233,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
 
     def _call_check(self, check) -> _work.CallCheck | None:
         """Start the fingerprint check of ``check`` = (call, tensor, op, root); None alone."""
-        if check is None or self.size() == 1 or not _CHECK_CALLS:
+        if check is None or self.size() == 1 or not (_CHECK_CALLS or _comm.checks._DEBUG):
             return None
         return _work.CallCheck(*check, self._pool)
 

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 from . import runtime as _runtime
 from . import watchdog as _watchdog
+from .comm import handle as _handle
 
 if TYPE_CHECKING:
     from .work import Work
@@ -187,6 +188,18 @@ class _Progress:
             time.sleep(0)
         work._complete_future()
 
+    def drive_request(self, request) -> None:
+        """Complete an MPI request on this thread while progressing everything else.
+
+        What a blocking step of an mpidp.comm call becomes on this thread (rule 2),
+        through ``mpidp.comm.handle.set_driver``. Never called from inside ``_test``
+        (chunks start without such steps), so it does not nest.
+        """
+        while not request.Test():
+            with self._cv:
+                self._later.extend(self._test())
+            time.sleep(0)
+
     def _start(self) -> None:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mpidp-progress", daemon=True)
@@ -283,3 +296,4 @@ class _Progress:
 
 
 progress = _Progress()
+_handle.set_driver(progress.in_thread, progress.drive_request)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import _env, address as _address, agreement, runtime
+from . import settings, address as _address, agreement, runtime
 
 __all__ = ["default_backend", "init_process_group", "handler", "start_up", "store_address",
            "exported"]
@@ -114,10 +114,10 @@ def _choose(world: MPI.Intracomm) -> tuple[str, str]:
     if world.Get_rank() != 0:
         return "", ""
     peers = [report for report in reports if report is not None]
-    given = _env.text("MPIDP_RDZV_ADDR")
+    given = settings.get("MPIDP_RDZV_ADDR")
     if given:
         return _address.given_address(given), "MPIDP_RDZV_ADDR"
-    interface = _env.text("MPIDP_RDZV_IFACE")
+    interface = settings.get("MPIDP_RDZV_IFACE")
     if interface:
         return _address.interface_address(interface), f"MPIDP_RDZV_IFACE={interface}"
     if runtime.local_size() == world.Get_size():
@@ -194,11 +194,11 @@ def _agreed_start(world: MPI.Intracomm) -> tuple[bool, bool]:
     small allgather at import compares them first.
     """
     try:
-        export = _env.flag("MPIDP_EXPORT_ENV", True)
+        export = settings.get("MPIDP_EXPORT_ENV")
         kind = _store_kind(None)
         mine = (f"MPIDP_EXPORT_ENV={'1' if export else '0'}, MPIDP_STORE={kind}, "
-                f"MASTER_ADDR {'set' if _env.given('MASTER_ADDR') else 'unset'}, "
-                f"MASTER_PORT {'set' if _env.given('MASTER_PORT') else 'unset'}")
+                f"MASTER_ADDR {'set' if settings.given('MASTER_ADDR') else 'unset'}, "
+                f"MASTER_PORT {'set' if settings.given('MASTER_PORT') else 'unset'}")
         problem = None
     except ValueError as error:
         export, kind, mine, problem = False, "", "", str(error)
@@ -213,18 +213,18 @@ def _agreed_start(world: MPI.Intracomm) -> tuple[bool, bool]:
             f"set alike on every rank (together they decide whether import mpidp starts the "
             f"rendezvous store, which every rank takes part in); got "
             f"{agreement.by_rank([setting for setting, _ in every])}")
-    user_master = _env.given("MASTER_ADDR") or _env.given("MASTER_PORT")
+    user_master = settings.given("MASTER_ADDR") or settings.given("MASTER_PORT")
     return export, export and not user_master and kind == "tcp"
 
 
 # -- the rendezvous -----------------------------------------------------------------------------
 
 def _connect_seconds() -> float:
-    return _env.number("MPIDP_RDZV_TIMEOUT", 60, minimum=0.001)
+    return settings.get("MPIDP_RDZV_TIMEOUT")
 
 
 def _store_kind(given: str | None) -> str:
-    kind = (given or _env.choice("MPIDP_STORE", _STORES, "tcp")).lower()
+    kind = (given or settings.get("MPIDP_STORE")).lower()
     if kind not in _STORES:
         raise ValueError(f"store must be one of {', '.join(_STORES)}, got {given!r}")
     return kind

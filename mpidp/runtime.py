@@ -55,7 +55,7 @@ import traceback
 
 import mpi4py
 
-from . import _env
+from . import settings
 
 __all__ = ["rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
            "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child"]
@@ -427,4 +427,4 @@ def _start() -> None:
 
 
 def _abort_from_env() -> bool:
-    return _env.flag("MPIDP_ABORT_ON_EXCEPTION", True)
+    return settings.get("MPIDP_ABORT_ON_EXCEPTION")

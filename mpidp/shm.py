@@ -36,7 +36,7 @@ import os
 import torch
 from mpi4py import MPI
 
-from . import _env
+from . import settings
 from . import watchdog as _watchdog
 
 __all__ = ["Node", "Window", "node_of"]
@@ -71,7 +71,7 @@ def node_of(comm: MPI.Intracomm) -> "Node":
 
 def _forced_node_size() -> int:
     """``MPIDP_SHM_NODE_SIZE``: ranks per pretended node (tests), 0 for the real nodes."""
-    return int(_env.number("MPIDP_SHM_NODE_SIZE", 0, integer=True))
+    return settings.get("MPIDP_SHM_NODE_SIZE")
 
 
 class Node:

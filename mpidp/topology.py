@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from . import _env, runtime
+from . import runtime, settings
 
 __all__ = ["RankTopology", "topology", "gather", "binding_warnings", "warn_about_binding",
            "parse_cpulist", "default_threads", "threads_for", "threads_reason",
@@ -210,7 +210,7 @@ def threads_for(cores, node: list) -> int:
 
 def default_threads() -> int | None:
     """The intra-op thread count mpidp sets at import, or None to leave torch's choice."""
-    if "OMP_NUM_THREADS" in os.environ or not _env.flag("MPIDP_SET_THREADS", True):
+    if "OMP_NUM_THREADS" in os.environ or not settings.get("MPIDP_SET_THREADS"):
         return None
     return threads_for(os.sched_getaffinity(0), node_affinities())
 
@@ -219,7 +219,7 @@ def threads_reason() -> str:
     """Why this rank runs the torch threads it runs, for ``python -m mpidp info``."""
     if "OMP_NUM_THREADS" in os.environ:
         return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
-    if not _env.flag("MPIDP_SET_THREADS", True):
+    if not settings.get("MPIDP_SET_THREADS"):
         return "MPIDP_SET_THREADS is off: torch's own choice"
     cores = os.sched_getaffinity(0)
     sharing = sum(1 for other in node_affinities() if other & cores)

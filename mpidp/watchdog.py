@@ -71,7 +71,7 @@ import weakref
 
 from mpi4py import MPI
 
-from . import _env
+from . import settings
 from . import runtime
 from . import stall_report
 from ._args import check_number
@@ -90,13 +90,13 @@ _ranks = stall_report.ranks_text
 
 
 def _timeout_from_env() -> tuple[float, str]:
-    value = _env.number("MPIDP_TIMEOUT", 600.0)
-    return value, ("MPIDP_TIMEOUT" if _env.given("MPIDP_TIMEOUT") else "the default")
+    value = settings.get("MPIDP_TIMEOUT")
+    return value, ("MPIDP_TIMEOUT" if settings.given("MPIDP_TIMEOUT") else "the default")
 
 
 # Read once at import, as MPIDP_DEBUG is; set_timeout() replaces them.
 _timeout, _timeout_source = _timeout_from_env()
-_action = _env.choice("MPIDP_TIMEOUT_ACTION", _ACTIONS, "abort")
+_action = settings.get("MPIDP_TIMEOUT_ACTION")
 
 
 def check_timeout(name: str, value) -> None:

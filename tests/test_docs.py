@@ -152,6 +152,48 @@ def test_environment_table_lists_every_variable_mpidp_reads():
     assert not table - code, f"in docs/environment.md but never read by mpidp: {sorted(table - code)}"
 
 
+def test_every_variable_is_declared_once_and_read_only_by_the_settings_module():
+    """mpidp.settings declares every MPIDP_* variable; no other module reads the environment
+    for one (an os.environ lookup, or a call other than settings.get/given, naming it)."""
+    from mpidp import settings
+    assert library_variables() == set(settings.SETTINGS), \
+        f"named in mpidp/ but not declared: {sorted(library_variables() - set(settings.SETTINGS))}"
+    stray = []
+    for path in sorted((ROOT / "mpidp").rglob("*.py")):
+        if path.name == "settings.py" and path.parent.name == "mpidp":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Call, ast.Subscript, ast.Compare)):
+                continue
+            names = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+                     and isinstance(n.value, str) and VARIABLE.fullmatch(n.value)]
+            if not names:
+                continue
+            reader = ast.unparse(node.func) if isinstance(node, ast.Call) else ast.unparse(node)
+            if isinstance(node, ast.Call) and reader in ("settings.get", "settings.given"):
+                continue
+            if "environ" in ast.unparse(node) or reader.split(".")[-1].lstrip("_") in (
+                    "flag", "number", "choice", "text", "getenv"):
+                stray.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not stray, "MPIDP_* read outside mpidp.settings:\n" + "\n".join(stray)
+    with pytest.raises(ValueError, match="read MPIDP_\\* variables with mpidp.settings.get"):
+        settings.flag("MPIDP_DEBUG", False)
+
+
+def test_environment_table_defaults_follow_the_declarations():
+    """Each row's default column starts with the declared default, spelled as the table does."""
+    from mpidp import settings
+    text = ENV_PAGE.read_text()
+    spelled = {True: "on", False: "off", None: "unset"}
+    for name, setting in settings.SETTINGS.items():
+        row = re.search(rf"^\|\s*`{name}`\s*\|[^|]*\|\s*([^|]*)\|", text, re.M)
+        assert row, name
+        default = setting.default
+        want = spelled[default] if default is None or isinstance(default, bool) else (
+            f"`{default}`" if isinstance(default, str) else f"{default:g}")
+        assert row.group(1).strip().startswith(want), (name, row.group(1), want)
+
+
 def test_environment_table_lists_the_variables_of_tests_and_scripts():
     code, table = tool_variables(), documented(TOOLS_TABLE)
     assert code == table, f"missing: {sorted(code - table)}; never read: {sorted(table - code)}"

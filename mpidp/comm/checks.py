@@ -17,18 +17,20 @@ instead of hanging or corrupting memory.
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import _args, _env
+from .. import _args, settings
 from .. import watchdog as _watchdog
+from . import handle as _handle
 from .dtypes import _DATATYPES, _DTYPES, OPS as _OPS
 
 
 def _debug_from_env() -> bool:
-    return _env.flag("MPIDP_DEBUG", False)
+    return settings.get("MPIDP_DEBUG")
 
 
 # Read once at import; callers read it here at call time, so tests switch it by
@@ -77,22 +79,30 @@ def _span(tensor: torch.Tensor) -> int:
 _ranks = _watchdog._ranks  # 'rank 3', 'ranks 0-2, 5': one way of naming ranks in messages
 
 
+_CALL_BYTES = 240  # a call's text in the MPIDP_DEBUG check, then an 8-byte hash of the whole
+
+
 def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields) -> None:
     """Debug mode: check that every rank is making this call on ``comm``, else all raise.
 
     Runs on the communicator the collective is about to use, before anything
     else, so ranks that called different collectives still meet in this
-    allgather and reach the same decision.
+    allgather (of fixed size, so it matches whatever the texts) and reach the
+    same decision. On the progress thread it is driven, never waited on
+    (``mpidp.comm.handle.wait_request``).
     """
     args = ", ".join(f"{key}={value}" for key, value in fields.items())
     call = f"{'i' if nonblocking else ''}{name}({args})"
-    slot = _watchdog.begin(f"the MPIDP_DEBUG check of {call}")
-    try:
-        calls = comm.allgather(call)
-    finally:
-        slot.current = None
-    if calls.count(calls[0]) == len(calls):
+    text = call.encode()
+    mine = np.zeros(_CALL_BYTES + 8, dtype=np.uint8)
+    mine[:min(len(text), _CALL_BYTES)] = np.frombuffer(text[:_CALL_BYTES], dtype=np.uint8)
+    mine[_CALL_BYTES:] = np.frombuffer(hashlib.blake2b(text, digest_size=8).digest(), np.uint8)
+    every = np.empty((comm.Get_size(), mine.size), dtype=np.uint8)
+    request = comm.Iallgather([mine, MPI.BYTE], [every, MPI.BYTE])
+    _handle.wait_request(request, f"the MPIDP_DEBUG check of {call}")
+    if (every == mine).all():
         return
+    calls = [bytes(row[:_CALL_BYTES]).rstrip(b"\0").decode(errors="replace") for row in every]
     ranks_of: dict[str, list[int]] = {}
     for rank, call in enumerate(calls):
         ranks_of.setdefault(call, []).append(rank)

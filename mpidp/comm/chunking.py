@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import _env
+from .. import settings
 
 __all__ = ["CHUNK_MB", "chunk_bytes", "pieces"]
 
-CHUNK_MB: float = _env.number("MPIDP_CHUNK_MB", 4, minimum=0.001)
+CHUNK_MB: float = settings.get("MPIDP_CHUNK_MB")
 
 
 def chunk_bytes(chunk_mb: float | None = None) -> int:

@@ -13,6 +13,36 @@ __all__ = ["Handle"]
 # alive even if the caller drops the handle without waiting.
 _in_flight: set = set()
 
+# The thread that must never block in MPI (mpidp.progress, rule 2) registers itself
+# here: (is that thread the current one, complete a request while progressing the
+# rest). A blocking step of an mpidp.comm call made on that thread (a future's
+# callback issuing a collective, an argument exchange, the MPIDP_DEBUG check) is
+# then started nonblocking and driven, never waited on in MPI_Wait.
+_driver: tuple | None = None
+
+
+def set_driver(on_thread, drive) -> None:
+    """Register the never-blocking thread: ``on_thread()`` -> bool, ``drive(request)``."""
+    global _driver
+    _driver = (on_thread, drive)
+
+
+def _driving() -> bool:
+    return _driver is not None and _driver[0]()
+
+
+def wait_request(request: MPI.Request, label=None) -> None:
+    """Complete ``request``: ``MPI_Wait`` on a program thread (watched under ``label``),
+    driven on the registered never-blocking thread."""
+    if _driving():
+        _driver[1](request)
+        return
+    slot = _watchdog.begin(label)
+    try:
+        request.Wait()
+    finally:
+        slot.current = None
+
 
 class Handle:
     """A pending nonblocking operation that owns its tensors until it completes.
@@ -82,13 +112,17 @@ def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocki
         except MPI.Exception as error:
             raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
         return Handle(request, keep, result, finish, label)
-    slot = _watchdog.begin(label)
     try:
-        getattr(comm, name)(*args)
+        if _driving():  # never block on that thread: the I-form, driven
+            wait_request(getattr(comm, "I" + name.lower())(*args))
+        else:
+            slot = _watchdog.begin(label)
+            try:
+                getattr(comm, name)(*args)
+            finally:
+                slot.current = None
     except MPI.Exception as error:
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
-    finally:
-        slot.current = None
     if finish is not None:
         finish()
     return result

@@ -13,7 +13,7 @@ import threading
 
 from mpi4py import MPI
 
-from .. import _args, _env
+from .. import _args, settings
 from .. import runtime as _runtime
 from .. import watchdog as _watchdog
 
@@ -66,7 +66,7 @@ class Pool:
 
 def env_size() -> int:
     """``MPIDP_POOL_SIZE`` (default 2): the size of the default pool and of a backend group's."""
-    return int(_env.number("MPIDP_POOL_SIZE", 2, minimum=1, integer=True))
+    return settings.get("MPIDP_POOL_SIZE")
 
 
 _default: list = []  # the default pool, once made

@@ -1,12 +1,14 @@
 """Collectives whose blocks may differ in size by rank: ``alltoall`` with splits, ``allgatherv``.
 
 What one rank cannot check alone (``alltoall``'s splits against the senders',
-``allgatherv``'s row shapes) is exchanged first, blocking even in the
-``i``-forms, and a disagreement raises the same ``ValueError`` on every rank.
+``allgatherv``'s row shapes) is exchanged first, in small nonblocking steps that
+the ``i``-forms too complete before they return (driven, never waited on, on the
+progress thread), and a disagreement raises the same ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -14,11 +16,10 @@ import torch
 from mpi4py import MPI
 
 from .. import _args
-from .. import watchdog as _watchdog
 from . import checks as _checks
 from .checks import _check_same_call, _check_tensor, _ranks
 from .dtypes import _DTYPES, _buffer, _dtype_name, _vbuffer
-from .handle import Handle, _start
+from .handle import Handle, _start, wait_request
 from .pool import _base, _collective_comm
 from .staging import _stage
 
@@ -50,34 +51,45 @@ def _rows_per_rank(name: str, splits, rows: int, size: int) -> list[int]:
 
 
 def _check_splits_agree(comm: MPI.Intracomm, receives: list[int], sends: list[int],
-                        row_numel: int, dtype: torch.dtype) -> None:
+                        row_numel: int, dtype: torch.dtype, label) -> None:
     """Check, on every rank alike, that each rank receives from each what the sender sends.
 
     MPI requires every receive count to equal the matching send count; a smaller
-    one fails on the receiver alone, a larger one leaves garbage unnoticed.
+    one fails on the receiver alone, a larger one leaves garbage unnoticed. Each
+    step is nonblocking and completed by ``wait_request`` (driven on the progress
+    thread); the whole table is gathered only when some rank found a fault.
     """
     code = _DTYPES.index(dtype)
     outgoing = np.array([[rows, row_numel, code] for rows in sends], dtype=np.int64)
     incoming = np.empty_like(outgoing)
-    comm.Alltoall([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T])
+    wait_request(comm.Ialltoall([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T]), label)
     rank = comm.Get_rank()
+    mismatched = any(peer_row_numel != row_numel or peer_code != code or rows != receives[peer]
+                     for peer, (rows, peer_row_numel, peer_code) in enumerate(incoming.tolist()))
+    count = np.array([int(mismatched)], dtype=np.int64)
+    wait_request(comm.Iallreduce(MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX), label)
+    if not count[0]:
+        return
+    size = comm.Get_size()
+    mine = np.array([*sends, *receives, row_numel, code], dtype=np.int64)
+    table = np.empty((size, mine.size), dtype=np.int64)
+    wait_request(comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]), label)
     faults = []
-    for peer, (rows, peer_row_numel, peer_code) in enumerate(incoming.tolist()):
-        if peer_row_numel != row_numel or peer_code != code:
-            faults.append(f"rank {peer} sends rows of {peer_row_numel} elements of "
-                          f"{_dtype_name(_DTYPES[peer_code])}, rank {rank} receives "
-                          f"rows of {row_numel} elements of {_dtype_name(dtype)}")
-        elif rows != receives[peer]:
-            faults.append(f"rank {peer}'s input_splits[{rank}] is {rows}, rank {rank}'s "
-                          f"output_splits[{peer}] is {receives[peer]}")
-    count = np.array([len(faults)], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX)
-    if count[0]:
-        faults = [fault for faults_of_rank in comm.allgather(faults) for fault in faults_of_rank]
-        more = f" (and {len(faults) - 4} more)" if len(faults) > 4 else ""
-        raise ValueError(f"alltoall splits disagree across ranks: {'; '.join(faults[:4])}{more}; "
-                         f"each rank's output_splits[j] must equal rank j's input_splits[rank], "
-                         f"of rows with the same number of elements and dtype")
+    for rank, row in enumerate(table.tolist()):
+        want, numel, kind = row[size:2 * size], row[2 * size], row[2 * size + 1]
+        for peer, peer_row in enumerate(table.tolist()):
+            rows, peer_numel, peer_kind = peer_row[rank], peer_row[2 * size], peer_row[2 * size + 1]
+            if peer_numel != numel or peer_kind != kind:
+                faults.append(f"rank {peer} sends rows of {peer_numel} elements of "
+                              f"{_dtype_name(_DTYPES[peer_kind])}, rank {rank} receives "
+                              f"rows of {numel} elements of {_dtype_name(_DTYPES[kind])}")
+            elif rows != want[peer]:
+                faults.append(f"rank {peer}'s input_splits[{rank}] is {rows}, rank {rank}'s "
+                              f"output_splits[{peer}] is {want[peer]}")
+    more = f" (and {len(faults) - 4} more)" if len(faults) > 4 else ""
+    raise ValueError(f"alltoall splits disagree across ranks: {'; '.join(faults[:4])}{more}; "
+                     f"each rank's output_splits[j] must equal rank j's input_splits[rank], "
+                     f"of rows with the same number of elements and dtype")
 
 
 def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
@@ -105,11 +117,8 @@ def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
         shape = dict(splits="uneven", row_numel=row_numel) if uneven else dict(numel=tensor.numel())
         _check_same_call(comm, "alltoall", nonblocking, dtype=_dtype_name(tensor.dtype), **shape)
     if uneven:
-        slot = _watchdog.begin(("alltoall's splits check", tensor))
-        try:
-            _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype)
-        finally:
-            slot.current = None
+        _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype,
+                            ("alltoall's splits check", tensor))
     (sent,), (received,), copy_back = _stage((tensor,), (output,))
     if uneven:
         args = (_vbuffer(sent, [n * row_numel for n in sends]),
@@ -160,11 +169,7 @@ def _allgatherv(tensor, comm, nonblocking):
     dtype = _dtype_name(tensor.dtype)
     if _checks._DEBUG:
         _check_same_call(comm, "allgatherv", nonblocking, dtype=dtype, row_shape=row_shape)
-    slot = _watchdog.begin(("allgatherv's shape exchange", tensor))
-    try:
-        headers = comm.allgather((tensor.shape[0], row_shape, dtype))
-    finally:
-        slot.current = None
+    headers = _exchange_rows(comm, tensor, row_shape, ("allgatherv's shape exchange", tensor))
     kinds = [(shape, name) for _, shape, name in headers]
     if kinds.count(kinds[0]) != len(kinds):
         ranks_of: dict[tuple, list[int]] = {}
@@ -181,6 +186,30 @@ def _allgatherv(tensor, comm, nonblocking):
     args = (_buffer(sent), _vbuffer(received, [rows * row_numel for rows in sizes]))
     return _start(comm, "Allgatherv", args, (output, tensor, sent, received), (output, sizes),
                   copy_back, nonblocking, ("allgatherv", tensor))
+
+
+def _exchange_rows(comm: MPI.Intracomm, tensor: torch.Tensor, row_shape: tuple, label) -> list:
+    """Every rank's (rows, row shape, dtype name), in fixed-size nonblocking steps.
+
+    The first step gathers the row counts, dtypes and a digest of the row shapes;
+    only where those differ does a second step gather the shapes themselves.
+    """
+    digest = int.from_bytes(hashlib.blake2b(repr(row_shape).encode(), digest_size=7).digest(),
+                            "little")
+    mine = np.array([tensor.shape[0], _DTYPES.index(tensor.dtype), len(row_shape), digest],
+                    dtype=np.int64)
+    every = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    wait_request(comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), label)
+    shapes = [row_shape] * len(every)
+    if len(set(map(tuple, every[:, 2:].tolist()))) > 1:  # the same on every rank
+        width = max(1, int(every[:, 2].max()))
+        padded = np.zeros(width, dtype=np.int64)
+        padded[:len(row_shape)] = row_shape
+        table = np.empty((len(every), width), dtype=np.int64)
+        wait_request(comm.Iallgather([padded, MPI.INT64_T], [table, MPI.INT64_T]), label)
+        shapes = [tuple(table[r, :int(every[r, 2])].tolist()) for r in range(len(every))]
+    return [(int(rows), shape, _dtype_name(_DTYPES[int(code)]))
+            for (rows, code, _, _), shape in zip(every.tolist(), shapes)]
 
 
 def allgatherv(tensor: torch.Tensor, *, comm=None) -> tuple[torch.Tensor, list[int]]:

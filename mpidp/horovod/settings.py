@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from .. import _env
+from .. import settings as _read  # HOROVOD_* variables, by mpidp's spelling rules
 from .. import watchdog as _watchdog
 
 __all__ = ["fusion_threshold", "apply"]
@@ -41,15 +41,15 @@ _IGNORED = {
 
 def fusion_threshold(default: int) -> int:
     """``HOROVOD_FUSION_THRESHOLD`` in bytes (0: no fusion), else ``default``."""
-    return int(_env.number("HOROVOD_FUSION_THRESHOLD", default, minimum=0, integer=True))
+    return int(_read.number("HOROVOD_FUSION_THRESHOLD", default, minimum=0, integer=True))
 
 
 def apply(start_timeline) -> None:
     """Act on the variables at ``hvd.init`` (the same environment on every rank)."""
-    if _env.given("HOROVOD_ELASTIC") and _env.flag("HOROVOD_ELASTIC", False):
+    if _read.given("HOROVOD_ELASTIC") and _read.flag("HOROVOD_ELASTIC", False):
         raise ValueError("HOROVOD_ELASTIC is set, but mpidp.horovod has no elastic training: "
                          "a job keeps its ranks from start to end (restart it from a checkpoint)")
-    ignored = [f"{name} ({why})" for name, why in _IGNORED.items() if _env.given(name)]
+    ignored = [f"{name} ({why})" for name, why in _IGNORED.items() if _read.given(name)]
     if ignored:
         warnings.warn(f"mpidp.horovod ignores {'; '.join(ignored)}", stacklevel=3)
     fusion_threshold(0)  # checked here, read by each DistributedOptimizer
@@ -60,12 +60,12 @@ def apply(start_timeline) -> None:
 
 
 def _stall_watchdog() -> None:
-    if _env.flag("HOROVOD_STALL_CHECK_DISABLE", False):
+    if _read.flag("HOROVOD_STALL_CHECK_DISABLE", False):
         _watchdog.set_timeout(0)
         return
-    shutdown = _env.number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0)
+    shutdown = _read.number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0)
     if shutdown > 0:
         _watchdog.set_timeout(shutdown, action="abort")
-    elif _env.given("HOROVOD_STALL_CHECK_TIME_SECONDS"):
-        _watchdog.set_timeout(_env.number("HOROVOD_STALL_CHECK_TIME_SECONDS", 60),
+    elif _read.given("HOROVOD_STALL_CHECK_TIME_SECONDS"):
+        _watchdog.set_timeout(_read.number("HOROVOD_STALL_CHECK_TIME_SECONDS", 60),
                               action="report")

@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from .. import comm as _comm
+from ..comm import chunking as _chunking
 from .._args import check_bool, check_number, is_int
 from ..agreement import agree, watched_allgather
 from ..buckets import Shards, assign_buckets
@@ -61,14 +62,15 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
             the DDP's).
         bucket_cap_mb: size of the flat buffers the parameters are laid out in
             (stage 1; stage 2 uses the DDP's buckets).
-        chunk_mb: largest single allgather (stage 2: the DDP's ``chunk_mb``).
+        chunk_mb: largest single allgather in MiB; None (default): ``MPIDP_CHUNK_MB``
+            (4). Stage 2 takes the DDP's ``chunk_mb``.
         **defaults: the arguments of ``optimizer_class`` (``lr``...).
     """
 
     def __init__(self, params, optimizer_class: type, process_group=None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
                  stage: int = 1, comm: MPI.Intracomm | None = None, bucket_cap_mb: float = 25,
-                 chunk_mb: float = 4, **defaults):
+                 chunk_mb: float | None = None, **defaults):
         from ..ddp import _base_comm  # noqa: PLC0415 (ddp imports the reducer, which is fine)
 
         self._ready = False
@@ -86,7 +88,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                                  f"gradients into the optimizer's shards during the backward")
             check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
             check_number("bucket_cap_mb", bucket_cap_mb)
-            check_number("chunk_mb", chunk_mb)
+            check_number("chunk_mb", chunk_mb, optional=True)
             if not (isinstance(optimizer_class, type)
                     and issubclass(optimizer_class, torch.optim.Optimizer)):
                 raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
@@ -103,6 +105,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 ddp = self._find_ddp()
                 base = ddp.control
                 chunk_mb = ddp._options["chunk_mb"]
+            chunk_bytes = _chunking.chunk_bytes(chunk_mb)
             first = self._params()[0]
             self._sharded_keys = elementwise_keys(optimizer_class, defaults, first.dtype,
                                                   first.device)
@@ -111,14 +114,14 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         # Every rank decides the same: a rank that raised alone would leave the
         # others in the collectives below.
         agree(base, error, _LABEL.format("__init__()"))
-        signatures = watched_allgather(base, self._signature(optimizer_class, stage),
+        signatures = watched_allgather(base, self._signature(optimizer_class, stage, chunk_bytes),
                                        "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
         agree(base, self._mismatch(signatures), _LABEL.format("__init__()"))
         self._comm = base.Dup()
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         self.stage = stage
         self.optimizer_class = optimizer_class
-        self._chunk_mb = chunk_mb
+        self._chunk_bytes = chunk_bytes
         self._cap_bytes = int(bucket_cap_mb * _MB)
         self._defaults = defaults
         params = self._params()
@@ -194,8 +197,9 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"would be reduce-scattered and dropped. Pass all of ddp.parameters()")
         return ddp
 
-    def _signature(self, optimizer_class, stage) -> tuple:
+    def _signature(self, optimizer_class, stage, chunk_bytes) -> tuple:
         return (getattr(optimizer_class, "__qualname__", repr(optimizer_class)), stage,
+                chunk_bytes,
                 [[(tuple(p.shape), str(p.dtype)) for p in group["params"]]
                  for group in self.param_groups])
 
@@ -203,7 +207,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _mismatch(signatures: list) -> ValueError | None:
         for rank, signature in enumerate(signatures):
             if signature != signatures[0]:
-                fields = ("optimizer_class", "stage", "param_groups (shapes, dtypes)")
+                fields = ("optimizer_class", "stage", "chunk_mb (or MPIDP_CHUNK_MB)",
+                          "param_groups (shapes, dtypes)")
                 which = [name for name, a, b in zip(fields, signature, signatures[0]) if a != b]
                 return ValueError(f"ZeroRedundancyOptimizer: {', '.join(which)} differ between "
                                   f"rank 0 and rank {rank}; every rank must build the same "
@@ -226,7 +231,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                                     order=range(len(indices))):
             members = [indices[k] for k in local]
             first = params[members[0]]
-            chunk = max(1, int(self._chunk_mb * _MB) // first.element_size())
+            chunk = max(1, self._chunk_bytes // first.element_size())
             self._add_bucket(members, Shards(sum(params[i].numel() for i in members),
                                              self.world, chunk), False)
 
@@ -412,7 +417,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         try:
             agree(self._comm, error, _LABEL.format("add_param_group()"))
             signatures = watched_allgather(
-                self._comm, self._signature(self.optimizer_class, self.stage),
+                self._comm, self._signature(self.optimizer_class, self.stage, self._chunk_bytes),
                 "ZeroRedundancyOptimizer.add_param_group(): signatures (allgather)")
             agree(self._comm, self._mismatch(signatures), _LABEL.format("add_param_group()"))
         except (TypeError, ValueError):

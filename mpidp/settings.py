@@ -1,0 +1,180 @@
+"""Every ``MPIDP_*`` environment variable, declared once and read here.
+
+Each variable is a ``Setting``: its name, its kind, its default, when mpidp
+reads it and one line saying what it does. ``get(name)`` is the one way mpidp
+reads a value; docs/environment.md's table is checked against ``SETTINGS`` by
+tests/test_docs.py. The readers for other programs' variables (``HOROVOD_*``,
+``MASTER_ADDR``) follow the same spelling rules and refuse ``MPIDP_`` names.
+
+Imports nothing from mpidp and never touches MPI, so any module may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["Setting", "SETTINGS", "get", "given", "flag", "number", "choice", "text"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ``MPIDP_*`` variable.
+
+    Attributes:
+        name: the variable.
+        kind: "flag", "number", "integer", "choice" or "text".
+        default: the value when it is unset or blank.
+        read: when mpidp reads it ("import": once, at ``import mpidp``; "use": at each use).
+        doc: what it does, one line.
+        minimum: the smallest value a number or integer may take.
+        choices: the values a choice may take (lowercase).
+    """
+
+    name: str
+    kind: str
+    default: object
+    read: str
+    doc: str
+    minimum: float = 0
+    choices: tuple[str, ...] = ()
+
+
+_DECLARED = (
+    Setting("MPIDP_ABORT_ON_EXCEPTION", "flag", True, "import",
+            "an uncaught exception or a non-zero sys.exit on one rank aborts the whole job"),
+    Setting("MPIDP_CHUNK_MB", "number", 4.0, "import",
+            "largest single allreduce in MiB; larger ones go in chunks of this size",
+            minimum=0.001),
+    Setting("MPIDP_CHECK_CALLS", "flag", True, "import",
+            "the backend checks that every rank's call has the same shape"),
+    Setting("MPIDP_CUDA_AWARE", "flag", None, "import",
+            "hand device memory to MPI (1) or stage through host memory (0); unset: detect"),
+    Setting("MPIDP_DEBUG", "flag", False, "import",
+            "before every collective, check that every rank makes the same call"),
+    Setting("MPIDP_EXPORT_ENV", "flag", True, "import",
+            "start the rendezvous store at import and export the torchrun variables"),
+    Setting("MPIDP_POOL_SIZE", "integer", 2, "use",
+            "duplicated communicators in a pool", minimum=1),
+    Setting("MPIDP_PROGRESS_SPIN_MS", "number", 10.0, "import",
+            "ms the progress thread tests without sleeping after a request arrives or completes"),
+    Setting("MPIDP_RDZV_ADDR", "text", None, "use",
+            "the address of rank 0's host for the rendezvous store"),
+    Setting("MPIDP_RDZV_IFACE", "text", None, "use",
+            "the interface of rank 0's host whose address serves the rendezvous store"),
+    Setting("MPIDP_RDZV_TIMEOUT", "number", 60.0, "use",
+            "seconds a rank tries to reach the rendezvous store", minimum=0.001),
+    Setting("MPIDP_SET_THREADS", "flag", True, "import",
+            "set torch's intra-op threads to this rank's share of its cores"),
+    Setting("MPIDP_SHARED_MEMORY", "flag", None, "use",
+            "the default of DistributedDataParallel(shared_memory=None)"),
+    Setting("MPIDP_SHM_NODE_SIZE", "integer", 0, "use",
+            "testing: pretend that blocks of this many consecutive ranks are nodes"),
+    Setting("MPIDP_STAGE_CPU", "flag", False, "use",
+            "testing: send CPU tensors through the host-staging path"),
+    Setting("MPIDP_STORE", "choice", "tcp", "use",
+            "the store handed to torch", choices=("tcp", "local")),
+    Setting("MPIDP_TIMEOUT", "number", 600.0, "import",
+            "seconds an mpidp call may wait before the stall watchdog reports it (0: off)"),
+    Setting("MPIDP_TIMEOUT_ACTION", "choice", "abort", "import",
+            "what a stall does: abort or report", choices=("abort", "report")),
+)
+
+SETTINGS: dict[str, Setting] = {setting.name: setting for setting in _DECLARED}
+
+
+def get(name: str):
+    """The value of the declared variable ``name``, read from the environment now.
+
+    Raises:
+        KeyError: ``name`` is not declared in ``SETTINGS``.
+        ValueError: naming the variable, the rule and the value.
+    """
+    setting = SETTINGS[name]
+    if setting.kind == "flag":
+        return _flag(name, setting.default)
+    if setting.kind in ("number", "integer"):
+        return _number(name, setting.default, minimum=setting.minimum,
+                       integer=setting.kind == "integer")
+    if setting.kind == "choice":
+        return _choice(name, setting.choices, setting.default)
+    return _text(name)
+
+
+def given(name: str) -> bool:
+    """True if the variable is set to something other than blanks (what the readers take for unset)."""
+    return bool(os.environ.get(name, "").strip())
+
+
+def _foreign(name: str) -> str:
+    if name.startswith("MPIDP_"):
+        raise ValueError(f"{name}: read MPIDP_* variables with mpidp.settings.get, "
+                         f"after declaring them in mpidp.settings.SETTINGS")
+    return name
+
+
+def flag(name: str, default: bool | None) -> bool | None:
+    """Another program's boolean variable (see ``_flag``)."""
+    return _flag(_foreign(name), default)
+
+
+def number(name: str, default: float, *, minimum: float = 0, integer: bool = False) -> float:
+    """Another program's numeric variable (see ``_number``)."""
+    return _number(_foreign(name), default, minimum=minimum, integer=integer)
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Another program's variable that takes one of ``choices`` (see ``_choice``)."""
+    return _choice(_foreign(name), choices, default)
+
+
+def text(name: str) -> str | None:
+    """Another program's free-form variable (see ``_text``)."""
+    return _text(_foreign(name))
+
+
+def _flag(name: str, default):
+    """1/true/yes/on or 0/false/no/off, any case; unset or empty is ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)} "
+                     f"(any case), got {value!r}")
+
+
+def _number(name: str, default, *, minimum: float = 0, integer: bool = False):
+    """A number >= ``minimum`` (an int if ``integer``); unset or empty is ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    kind = "an integer" if integer else "a number"
+    try:
+        parsed = int(value) if integer else float(value)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed != parsed or parsed < minimum:
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
+    return parsed
+
+
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of ``choices`` (lowercase), any case; unset or empty is ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)} (any case), got {value!r}")
+    return value.lower()
+
+
+def _text(name: str) -> str | None:
+    """A free-form value (an address, an interface name), stripped; unset or blank is None."""
+    value = os.environ.get(name, "").strip()
+    return value or None
