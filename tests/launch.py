@@ -47,8 +47,9 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
     return result
 
 
-def run_pytest(nprocs: int, path: str, timeout: float, *extra: str,
+def run_pytest(nprocs: int, paths: str | list[str], timeout: float, *extra: str,
                env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run one MPI test file with pytest on every rank."""
-    return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", path, *extra],
+    """Run MPI test files (one path or several, in one job) with pytest on every rank."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *paths, *extra],
                timeout, env=env)

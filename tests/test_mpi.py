@@ -1,6 +1,7 @@
 """Run the MPI test files, the abort check and the examples under a real mpiexec."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +23,6 @@ MPI_FILES = [
     ("tests/mpi/check_ddp_edges.py", [2, 3]),
     ("tests/mpi/check_join.py", [2, 3]),
     ("tests/mpi/check_syncbn.py", [2, 3]),
-    ("tests/mpi/check_gpu.py", [2]),
     # at 3 ranks both run with every all_reduce chunked (test_..._in_chunks below)
     ("tests/mpi/check_backend.py", [2, 4]),
     ("tests/mpi/check_backend_torch.py", [2]),
@@ -35,21 +35,43 @@ MPI_FILES = [
     ("tests/mpi/check_frameworks.py", [2]),  # skips without the frameworks extra
     ("tests/mpi/check_horovod.py", [2, 3]),  # with the MNIST example against one process
 ]
+GPU_FILE = "tests/mpi/check_gpu.py"
 
 
-@pytest.mark.parametrize("path,nprocs", [(path, n) for path, sizes in MPI_FILES for n in sizes],
-                         ids=lambda value: str(value).removeprefix("tests/mpi/"))
-def test_mpi_file(path, nprocs):
-    if "gpu" in path and not torch.cuda.is_available() and os.environ.get("MPIDP_TEST_GPU") != "1":
+def _by_size() -> dict[int, list[str]]:
+    """The files of each world size, in MPI_FILES' order.
+
+    The files of one size share one launch: pytest runs them one after the other in
+    one mpiexec job, which saves starting torch, MPI and mpidp again for each file
+    (a few seconds a rank on 2 cores). Each module's fixtures start and end what it
+    uses (process groups, gloo, windows), so each file finds what a launch of its own
+    would. A failure aborts the launch naming the test (tests/mpi/conftest.py).
+    """
+    sizes: dict[int, list[str]] = {}
+    for path, counts in MPI_FILES:
+        for nprocs in counts:
+            sizes.setdefault(nprocs, []).append(path)
+    return dict(sorted(sizes.items()))
+
+
+@pytest.mark.parametrize("nprocs,paths", sorted(_by_size().items()),
+                         ids=lambda value: f"{value}ranks" if isinstance(value, int) else
+                         "+".join(p.removeprefix("tests/mpi/check_").removesuffix(".py")
+                                  for p in value))
+def test_mpi_files(nprocs, paths):
+    launch.run_pytest(nprocs, paths, timeout=600)
+
+
+def test_gpu_file():
+    if not torch.cuda.is_available() and os.environ.get("MPIDP_TEST_GPU") != "1":
         pytest.skip("no GPU (MPIDP_TEST_GPU=1 turns this into a failure)")
-    launch.run_pytest(nprocs, path, timeout=300)
+    launch.run_pytest(2, [GPU_FILE], timeout=300)
 
 
-@pytest.mark.parametrize("path", ["tests/mpi/check_comm.py", "tests/mpi/check_ddp.py"],
-                         ids=lambda value: value.removeprefix("tests/mpi/"))
-def test_host_staging_path(path):
+def test_host_staging_path():
     """The staging used for device memory without CUDA-aware MPI, exercised on CPU tensors."""
-    launch.run_pytest(2, path, timeout=300, env={"MPIDP_STAGE_CPU": "1"})
+    launch.run_pytest(2, ["tests/mpi/check_comm.py", "tests/mpi/check_ddp.py"], timeout=300,
+                      env={"MPIDP_STAGE_CPU": "1"})
 
 
 def test_shared_memory_across_nodes():
@@ -62,11 +84,10 @@ def test_ddp_through_mpi_alone():
     launch.run_pytest(2, "tests/mpi/check_ddp.py", timeout=300, env={"MPIDP_SHARED_MEMORY": "0"})
 
 
-@pytest.mark.parametrize("path", ["tests/mpi/check_backend.py", "tests/mpi/check_backend_torch.py"],
-                         ids=lambda value: value.removeprefix("tests/mpi/"))
-def test_torch_distributed_backend_reduces_large_tensors_in_chunks(path):
+def test_torch_distributed_backend_reduces_large_tensors_in_chunks():
     """MPIDP_CHUNK_MB=0.001: every all_reduce over 1 KiB goes chunk by chunk, async ones in turn."""
-    launch.run_pytest(3, path, timeout=300, env={"MPIDP_CHUNK_MB": "0.001"})
+    launch.run_pytest(3, ["tests/mpi/check_backend.py", "tests/mpi/check_backend_torch.py"],
+                      timeout=400, env={"MPIDP_CHUNK_MB": "0.001"})
 
 
 def test_torch_distributed_backend_under_mpi_thread_serialized():
@@ -423,16 +444,17 @@ LAB = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(LAB))
-def test_lab_example(script):
-    out = launch.run(2, [f"examples/{script}", *(["--samples", "1024"] if "scaling" in script else [])],
-                     timeout=120).stdout
-    for expected in LAB[script]:
-        assert expected in out, out
-    if "by_hand" in script:
-        by_hand, sequential = (float(part.split("=")[1].strip(" ,")) for part in
-                               out.split("|by hand - DDP|")[1].split("|DDP - sequential|"))
-        assert by_hand < 1e-6 and sequential < 1e-5
+def test_lab_examples():
+    """The six lab scripts, one after the other in one job (tests/mpi/run_scripts.py)."""
+    commands = [f"examples/{script}" + (" --samples 1024" if "scaling" in script else "")
+                for script in sorted(LAB)]
+    out = launch.run(2, ["tests/mpi/run_scripts.py", *commands], timeout=240).stdout
+    for script in sorted(LAB):
+        for expected in LAB[script]:
+            assert expected in out, (script, out)
+    by_hand, sequential = map(float, re.search(
+        r"\|by hand - DDP\| = (\S+), \|DDP - sequential\| = (\S+)", out).groups())
+    assert by_hand < 1e-6 and sequential < 1e-5
 
 
 def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):

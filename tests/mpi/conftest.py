@@ -23,9 +23,12 @@ def pytest_runtest_logreport(report):
         MPI.COMM_WORLD.Abort(1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gloo():
-    """torch.distributed over gloo on the same ranks, to compare with torch's DDP in one run."""
+    """torch.distributed over gloo on the same ranks, to compare with torch's DDP in one run.
+
+    Module-scoped: several check files share one launch (tests/test_mpi.py), and each
+    finds torch.distributed as a launch of its own would, uninitialised."""
     comm = MPI.COMM_WORLD
     port = None
     if comm.Get_rank() == 0:
