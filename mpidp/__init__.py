@@ -25,7 +25,8 @@ from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
 from .monitor import monitored_barrier
 from .rendezvous import init_process_group
-from .runtime import abort_on_exception, barrier, local_rank, local_size, rank, size
+from .runtime import abort_on_exception, local_rank, local_size, rank, size
+from .watchdog import barrier
 from .sampler import DistributedSampler
 from .syncbn import SyncBatchNorm
 from .zero import ZeroRedundancyOptimizer

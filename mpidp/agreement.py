@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import array
 
+import numpy as np
+
 from mpi4py import MPI
 
 from . import watchdog as _watchdog
+from .comm.pool import _collective_comm
 
-__all__ = ["agree", "any_failed", "by_rank", "raise_together", "watched_allgather"]
+__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "raise_together", "watched_allgather"]
 
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
@@ -81,3 +84,26 @@ def agree(comm: MPI.Intracomm, error: BaseException | None, label: str) -> None:
     except Exception:  # a built-in type that wants more arguments (UnicodeDecodeError...)
         agreed = RuntimeError(f"{kind.__name__}: {message}")
     raise agreed from error
+
+
+def agree_facts(comm, facts: list[int], problem: bool, describe, what: str, label: str) -> None:
+    """Raise ``ValueError(what + each rank's describe())`` on every rank unless all ranks'
+    ``facts`` are equal and no rank has a ``problem``.
+
+    One allreduce of the maxima of the facts and of their negatives, on the
+    communicator a pool would hand the next collective (all ranks take the
+    same one); the descriptions travel only when something differs.
+    """
+    facts = [*facts, int(problem)]
+    both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
+    base = _collective_comm(comm)
+    slot = _watchdog.begin(label)
+    try:
+        base.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
+    finally:
+        slot.current = None
+    n = len(facts)
+    if (both[:n] == -both[n:]).all() and not both[n - 1]:
+        return
+    raise ValueError(f"{what} "
+                     f"{by_rank(watched_allgather(base, describe(), label))}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 
 import torch
@@ -40,6 +41,23 @@ __all__ = ["DistributedDataParallel", "DDP", "broadcast_coalesced", "owner"]
 
 # parameter -> weak reference to the DDP that reduces it (ZeroRedundancyOptimizer(stage=2))
 _OWNERS = WeakIdKeyDictionary()
+_UNTRACED = threading.Lock()  # guards the one-time marking below (DDPs built in threads)
+
+
+def _keep_out_of_torch_compile() -> None:
+    """Mark the forward's bookkeeping (collectives, Python state) as never traced by torch.compile.
+
+    Done at the first construction, not at import: ``torch.compiler.disable`` imports
+    torch._dynamo, which more than doubled the time of ``import mpidp``; a module is
+    compiled only after its DDP exists, so the mark is always there before tracing.
+    """
+    with _UNTRACED:
+        for name in ("_pre_forward", "_post_forward"):
+            method = DistributedDataParallel.__dict__[name]
+            if not getattr(method, "_mpidp_untraced", False):
+                method = torch.compiler.disable(method)
+                method._mpidp_untraced = True
+                setattr(DistributedDataParallel, name, method)
 
 
 def owner(param: torch.Tensor) -> "DistributedDataParallel | None":
@@ -144,6 +162,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                  inplace_threshold_mb: float | str | None = "auto", timeout: float | None = None,
                  shared_memory: bool | None = None):
         super().__init__()
+        _keep_out_of_torch_compile()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         base = _base_comm(comm, process_group)
@@ -319,7 +338,6 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         output = self.module(*inputs, **kwargs)
         return self._post_forward(output)
 
-    @torch.compiler.disable
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._closed:
             raise RuntimeError("DistributedDataParallel was closed; call the module itself "
@@ -351,7 +369,6 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             inputs, kwargs = tree_map_only(torch.Tensor, move, (inputs, kwargs))
         return inputs, kwargs
 
-    @torch.compiler.disable
     def _post_forward(self, output):
         if torch.is_grad_enabled():
             self.reducer.prepare(output, self.require_backward_grad_sync)

@@ -19,7 +19,6 @@ import itertools
 import numbers
 import pickle
 
-import numpy as np
 import torch
 from mpi4py import MPI
 

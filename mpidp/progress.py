@@ -57,14 +57,10 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING
-
 from . import runtime as _runtime
 from . import watchdog as _watchdog
 from .comm import handle as _handle
 
-if TYPE_CHECKING:
-    from .work import Work
 
 __all__ = ["progress"]
 
@@ -84,15 +80,15 @@ class _Progress:
         self.lock = threading.Lock()
         self._cv = threading.Condition(self.lock)
         self._queues: dict = collections.defaultdict(collections.deque)  # group -> its order
-        self._loose: list[Work] = []  # messages: each completes on its own
+        self._loose: list = []  # messages: each completes on its own
         self._abandoned: list = []  # what MPI may still write into after a Work failed
-        self._later: list[Work] = []  # done while a callback drove progress: futures to set
+        self._later: list = []  # done while a callback drove progress: futures to set
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._added = False  # a request came since the thread last looked
         self.spin_seconds = 0.01
 
-    def add(self, work: Work) -> None:
+    def add(self, work) -> None:
         with self._cv:
             work._tracked = True
             self._added = True
@@ -108,7 +104,7 @@ class _Progress:
         with self._cv:
             self._cv.notify()
 
-    def before(self, work: Work) -> list[Work]:
+    def before(self, work) -> list:
         """The works of ``work``'s group queued before it, not yet done."""
         if not work._ordered or work._state == "done":
             return []
@@ -130,7 +126,7 @@ class _Progress:
     def in_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def expire(self, work: Work) -> None:
+    def expire(self, work) -> None:
         """Fail ``work`` with the group's timeout error (its deadline has passed)."""
         with self._cv:
             if work._state == "done":
@@ -140,13 +136,13 @@ class _Progress:
         work._complete_future()
 
     @classmethod
-    def _end_job_if_awaited(cls, work: Work) -> None:
+    def _end_job_if_awaited(cls, work) -> None:
         """A timed-out Work whose future someone already holds ends the job (rule 5)."""
         if work._future is not None and not work._future_set:
             cls.end_job_for(work, "timed out")
 
     @staticmethod
-    def end_job_for(work: Work, what: str) -> None:
+    def end_job_for(work, what: str) -> None:
         """End the job for a failed Work whose future was taken while it was pending.
 
         torch's C++ DDP reducer waits on that future and crashes (SIGSEGV, torch
@@ -171,7 +167,7 @@ class _Progress:
         for work in failed:
             work._complete_future()
 
-    def drive(self, work: Work, deadline: float | None) -> None:
+    def drive(self, work, deadline: float | None) -> None:
         """Progress everything on this thread until ``work`` is done (a callback's collective).
 
         Futures of other Works finished meanwhile are set later by the progress
@@ -235,7 +231,7 @@ class _Progress:
             with self._cv:
                 self._cv.wait(sleep)
 
-    def _test(self) -> list[Work]:
+    def _test(self) -> list:
         """Works done now (under the lock). Past its deadline, a Work fails."""
         done = []
         now = time.monotonic()

@@ -64,7 +64,7 @@ from .launcher import TIMEOUT_SOURCE, BucketLauncher
 from .layout import BucketLayout
 from .step import ARMED, DONE, RUNNING, Step, find_tensors, reachable_parameters
 
-__all__ = ["Reducer", "ShardedReducer", "find_tensors", "reachable_parameters"]
+__all__ = ["Reducer", "find_tensors", "reachable_parameters"]
 
 STATS_KEPT = 100
 
@@ -433,11 +433,3 @@ class Reducer(BucketLayout, BucketLauncher):
         _outcome.copy_back(self.params, self.buckets, self.layout, counts,
                            known_unused=self.find_unused or self.static_graph,
                            as_view=self.as_view)
-
-
-def __getattr__(name: str):
-    # mpidp.reducer.ShardedReducer, imported late: mpidp.sharded subclasses Reducer
-    if name == "ShardedReducer":
-        from .sharded import ShardedReducer  # noqa: PLC0415
-        return ShardedReducer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -388,7 +388,4 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
         dist.init_process_group(backend, store=store, **kwargs)
         return
     kwargs.setdefault("init_method", f"{SCHEME}://?store={_store_kind(store)}")
-    if _MPIDP in _backends(backend):
-        from . import process_group  # registers the backend
-        process_group.register()
-    dist.init_process_group(backend, **kwargs)
+    dist.init_process_group(backend, **kwargs)  # "mpidp" was registered by import mpidp

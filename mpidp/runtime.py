@@ -55,9 +55,9 @@ import traceback
 
 import mpi4py
 
-from . import settings
+from . import errors, settings
 
-__all__ = ["rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
+__all__ = ["rank", "size", "local_rank", "local_size", "abort_on_exception",
            "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child"]
 
 
@@ -179,17 +179,6 @@ def local_rank() -> int:
 def local_size() -> int:
     """Return the number of ranks on this node."""
     return _node_comm().Get_size()
-
-
-def barrier() -> None:
-    """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier``."""
-    require_mpi()
-    from . import watchdog  # imports this module: here, not at the top
-    slot = watchdog.begin("mpidp.barrier()")
-    try:
-        MPI.COMM_WORLD.Barrier()
-    finally:
-        slot.current = None
 
 
 # --- abort -----------------------------------------------------------------------------
@@ -376,6 +365,16 @@ def abort_on_exception(enable: bool = True) -> None:
 # silences it, having said why already. Without glibc it is not armed.
 
 _library_exit: dict = {"pid": None, "quiet": False, "key": None, "hook": None, "libc": None}
+_describe_calls = list  # what this rank's threads wait in: set by mpidp.watchdog at its import
+
+
+def set_call_describer(describe) -> None:
+    """``describe()`` -> lines naming what each thread waits in, for the exit report.
+
+    mpidp.watchdog, which records those calls and imports this module, registers it.
+    """
+    global _describe_calls
+    _describe_calls = describe
 
 
 def _report_library_exit(_arg) -> None:
@@ -384,8 +383,7 @@ def _report_library_exit(_arg) -> None:
         return
     state["quiet"] = True
     try:
-        from . import errors, watchdog
-        calls = watchdog.describe_calls()
+        calls = _describe_calls()
         where = "; ".join(calls) if calls else "no mpidp call that the stall watchdog records"
         error = errors.mpi_failure(where, RuntimeError("it ended this process (see its error "
                                                        "stack above)"))

@@ -77,7 +77,7 @@ from . import stall_report
 from ._args import check_number
 from .stall_report import ABORT_STATUS
 
-__all__ = ["ABORT_STATUS", "Scope", "set_timeout", "get_timeout", "start"]
+__all__ = ["ABORT_STATUS", "Scope", "barrier", "set_timeout", "get_timeout", "start"]
 
 _ACTIONS = ("abort", "report")
 _SELF_ABORT_SECONDS = 8.0  # rank 0 summarises within stall_report's 3 s + a wake-up of its own
@@ -261,6 +261,19 @@ def describe_calls() -> list[str]:
     """What each of this rank's threads waits in now, the longest first (for exit reports)."""
     frames = sys._current_frames()
     return [stall_report.describe(slot, record, frames) for slot, record in _in_progress()]
+
+
+runtime.set_call_describer(describe_calls)
+
+
+def barrier() -> None:
+    """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier`` (watched)."""
+    runtime.require_mpi()
+    slot = begin("mpidp.barrier()")
+    try:
+        MPI.COMM_WORLD.Barrier()
+    finally:
+        slot.current = None
 
 
 def _state(now: float) -> dict:

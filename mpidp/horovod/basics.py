@@ -17,32 +17,14 @@ from .. import _args
 from .. import runtime as _runtime
 from . import process_sets as _sets
 from . import settings as _settings
+from . import state as _state_module
+from .state import _NOT_INITIALIZED, _state, _world  # noqa: F401 (re-exported)
 from .timeline import Timeline
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
            "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
            "cuda_built", "rocm_built", "start_timeline", "stop_timeline"]
-
-_NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
-
-
-class _State:
-    world: MPI.Intracomm | None = None
-    local: MPI.Intracomm | None = None
-    cross: MPI.Intracomm | None = None
-    homogeneous = True
-    timeline: Timeline | None = None
-
-
-_state = _State()
-
-
-def _world() -> MPI.Intracomm:
-    if _state.world is None:
-        raise ValueError(_NOT_INITIALIZED)
-    return _state.world
-
 
 def _initialized(fact):
     """``fact`` of the state, once ``init`` has run (else Horovod's error)."""
@@ -106,10 +88,9 @@ def init(comm=None, process_sets=None) -> None:
 
 def shutdown() -> None:
     """Free Horovod's communicators and forget pending handles; ``init`` may follow again."""
-    from . import requests  # imports this module
     if _state.world is None:
         return
-    requests._forget_all()
+    _state_module.forget_all()
     stop_timeline()
     _sets._clear()  # frees the world too: the global set owns it
     for comm in (_state.local, _state.cross):

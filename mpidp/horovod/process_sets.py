@@ -18,6 +18,7 @@ from mpi4py import MPI
 from .. import _args
 from .. import agreement as _agreement
 from .. import ddp_options as _ddp_options
+from . import state as _state
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
@@ -141,8 +142,7 @@ def add_process_set(process_set) -> ProcessSet:
     Returns:
         The registered ``ProcessSet``.
     """
-    from . import basics  # basics imports this module
-    world = basics._world()
+    world = _state._world()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     return _register(process_set, world)
@@ -154,8 +154,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     Returns:
         True if it was registered, False if not (or if it is the global set, which stays).
     """
-    from . import basics
-    basics._world()
+    _state._world()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
     if process_set is global_process_set or _registry.get(process_set.process_set_id) \

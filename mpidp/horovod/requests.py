@@ -46,7 +46,7 @@ from mpi4py import MPI
 from .. import agreement as _agreement
 from .. import watchdog as _watchdog
 from ..comm.dtypes import _DTYPES
-from . import basics as _basics
+from . import state as _state
 from . import process_sets as _sets
 
 __all__ = ["poll", "synchronize"]
@@ -234,7 +234,7 @@ class Request:
     def __init__(self, handles, finish, keep, kind, name, process_set, nbytes):
         self.handles, self.finish, self.keep = handles, finish, keep
         self.kind, self.name, self.process_set, self.nbytes = kind, name, process_set, nbytes
-        timeline = _basics._state.timeline
+        timeline = _state._state.timeline
         self.started = timeline.now() if timeline is not None else None
 
     def done(self) -> bool:
@@ -246,7 +246,7 @@ class Request:
         for handle in self.handles:
             handle.wait()
         result = self.finish()
-        timeline = _basics._state.timeline
+        timeline = _state._state.timeline
         if timeline is not None and self.started is not None:
             timeline.record(KIND_NAMES[self.kind], self.name, self.started,
                             self.process_set.process_set_id, self.nbytes)
@@ -325,6 +325,9 @@ def _forget_all() -> None:
         _table.clear()
     for request in pending:
         request.wait()
+
+
+_state.on_shutdown(_forget_all)
 
 
 def wrap_tensor(value) -> torch.Tensor:

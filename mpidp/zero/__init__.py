@@ -8,7 +8,7 @@ updated parameters (stage 1, ZeRO's P_os). With ``stage=2`` (DeepSpeed's
 name) the ``mpidp.DistributedDataParallel`` that reduces these parameters
 reduce-scatters each gradient bucket instead of allreducing it, so each rank
 also keeps only its part of the gradients (ZeRO's P_os+g); see
-``mpidp.reducer.ShardedReducer``.
+``mpidp.sharded.ShardedReducer``.
 
 How the elements are divided (``mpidp.buckets.Shards``): the parameters are
 laid end to end in flat buffers ("buckets", by dtype; in stage 2 the DDP's own

@@ -1,0 +1,44 @@
+"""Horovod's world: the communicators ``hvd.init`` made, and what ``hvd.shutdown`` must reset.
+
+The lowest module of mpidp.horovod: basics, process_sets and requests read the
+world here, and a module holding per-run state registers what to forget at
+shutdown (``on_shutdown``), so that none of them imports another upwards.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .timeline import Timeline
+
+_NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+
+
+class _State:
+    world: MPI.Intracomm | None = None
+    local: MPI.Intracomm | None = None
+    cross: MPI.Intracomm | None = None
+    homogeneous = True
+    timeline: Timeline | None = None
+
+
+_state = _State()
+
+
+def _world() -> MPI.Intracomm:
+    if _state.world is None:
+        raise ValueError(_NOT_INITIALIZED)
+    return _state.world
+
+
+_forgetters: list = []  # called by hvd.shutdown, before the communicators are freed
+
+
+def on_shutdown(forget) -> None:
+    """Have ``hvd.shutdown`` call ``forget()`` (a module's per-run state), once per shutdown."""
+    _forgetters.append(forget)
+
+
+def forget_all() -> None:
+    for forget in _forgetters:
+        forget()

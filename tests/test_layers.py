@@ -1,0 +1,119 @@
+"""The import graph of mpidp: no circle, no import from a lower layer up, no oversized module.
+
+Every import counts, also one inside a function or under ``TYPE_CHECKING``: a
+deferred import is still a dependency, and the circles it hid were the ones to
+remove. A new module needs a line in ``LAYERS``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mpidp"
+
+# Each layer may import its own and the layers below it, never one above.
+LAYERS = [
+    ("base", ["settings", "errors", "_args", "address", "buckets", "step", "monitor",
+              "comm.dtypes", "zero.elementwise", "horovod.timeline", "horovod.compression"]),
+    ("runtime", ["runtime", "topology", "cuda", "stall_report", "watchdog", "sampler"]),
+    ("communication", ["comm", "comm.*", "agreement", "objects", "optimizer", "shm", "sparse",
+                       "layout", "outcome", "replica", "operands", "rendezvous"]),
+    ("ddp", ["overlap", "launcher", "hook_basics", "hooks", "powersgd", "comm_hook", "reducer", "sharded", "ddp_options",
+             "join", "syncbn", "ddp"]),
+    ("backend", ["chunks", "progress", "work", "operations", "process_group"]),
+    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*"]),
+    ("package", ["", "__main__"]),
+]
+MOST_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _layer(name: str) -> int:
+    for index, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if name == member or (member.endswith(".*") and name.startswith(member[:-1])):
+                return index
+    raise AssertionError(f"mpidp.{name} is in no layer of tests/test_layers.py")
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The mpidp modules ``name`` imports (relative to ``mpidp``), anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".") if package else []
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            elif node.module and (node.module == "mpidp" or node.module.startswith("mpidp.")):
+                base = node.module.removeprefix("mpidp").removeprefix(".")
+            else:
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in modules else base)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("mpidp."):
+                    found.add(alias.name.removeprefix("mpidp."))
+    return {module for module in found if module in modules and module != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it():
+    upward = [f"mpidp.{name} ({LAYERS[_layer(name)][0]}) imports mpidp.{other} "
+              f"({LAYERS[_layer(other)][0]})"
+              for name, imported in sorted(_graph().items()) for other in sorted(imported)
+              if _layer(other) > _layer(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                return path[path.index(other):] + [other]
+            if other not in state and (circle := visit(other)):
+                return circle
+        state[name] = 2
+        path.pop()
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            circle = visit(name)
+            assert circle is None, " -> ".join(f"mpidp.{n}" for n in circle)
+
+
+def test_the_scan_sees_deferred_and_type_checking_imports(tmp_path):
+    fake = tmp_path / "runtime.py"
+    fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .work import Work\n"
+                    "def f():\n    from . import watchdog\n    import mpidp.comm.handle\n")
+    assert _imports("runtime", fake, _modules()) == {"work", "watchdog", "comm.handle"}
+
+
+def test_no_module_is_over_the_size_a_reader_takes_in():
+    long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert not {n: c for n, c in long.items() if c > MOST_LINES}, \
+        {n: c for n, c in long.items() if c > MOST_LINES}
