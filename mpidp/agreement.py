@@ -20,16 +20,29 @@ from mpi4py import MPI
 from . import watchdog as _watchdog
 from .comm.pool import _collective_comm
 
-__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "raise_together", "watched_allgather"]
+__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_together",
+           "watched_allgather"]
 
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
     """``comm.allgather(obj)``, named ``label`` in the stall watchdog's reports."""
-    slot = _watchdog.begin(label)
-    try:
-        return comm.allgather(obj)
-    finally:
-        slot.current = None
+    return _watchdog.watched(label, comm.allgather, obj)
+
+
+def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
+    """Gather every rank's ``fact``, then run ``judge(facts)`` on every rank; raise what it returns.
+
+    The agreement in its general form: ``judge`` sees the same list on every rank and
+    must decide from it alone (never from this rank's own state), so every rank
+    returns the facts, or raises the same exception. Use it where the facts are
+    needed anyway; ``agree``/``raise_together``/``agree_facts`` send less when only
+    a verdict is.
+    """
+    facts = watched_allgather(comm, fact, label)
+    error = judge(facts)
+    if error is not None:
+        raise error
+    return facts
 
 
 def any_failed(comm: MPI.Intracomm, failed: bool, label: str) -> bool:
@@ -55,7 +68,7 @@ def by_rank(entries: list) -> str:
 def raise_together(comm: MPI.Intracomm, problem: str | None, kind: type, what: str,
                    label: str | None = None) -> None:
     """Raise ``kind(f"{what} {by_rank(problems)}")`` on every rank if any rank has a ``problem``."""
-    label = label or f"{what.rstrip(':')} (error agreement)"
+    label = label or f"{what.rstrip(':')} (do all ranks agree?)"
     if any_failed(comm, problem is not None, label):
         raise kind(f"{what} {by_rank(watched_allgather(comm, problem, label))}")
 

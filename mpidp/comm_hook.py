@@ -15,7 +15,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from . import _args
-from .agreement import watched_allgather
+from .agreement import decide
 
 __all__ = ["CommHookMixin"]
 
@@ -51,14 +51,7 @@ class CommHookMixin:
             problem = ("register_comm_hook must be called before the first backward (as torch "
                        "requires): buckets were already reduced another way")
         name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
-        reports = watched_allgather(self.control, (name, problem), "register_comm_hook's check")
-        names = {rank: report[0] for rank, report in enumerate(reports)}
-        problems = [report[1] for report in reports if report[1] is not None]
-        if problems:
-            raise RuntimeError(f"DistributedDataParallel.register_comm_hook: {problems[0]}")
-        if len(set(names.values())) > 1:
-            raise ValueError(f"DistributedDataParallel.register_comm_hook: the ranks register "
-                             f"different hooks ({names}); every rank must register the same")
+        decide(self.control, (name, problem), _judge_hooks, "register_comm_hook's check")
         self._comm_hook = (state, hook)
         self.reducer.comm_hook = self._comm_hook
 
@@ -86,3 +79,15 @@ class CommHookMixin:
         profiler range per bucket (bench/hooks_bench.py measures the cost).
         """
         return [] if self.reducer is None else [dict(entry) for entry in self.reducer.stats]
+
+
+def _judge_hooks(reports: list) -> Exception | None:
+    """Every rank's (hook name, problem): the first problem, or hooks that differ."""
+    names = {rank: name for rank, (name, _) in enumerate(reports)}
+    problems = [problem for _, problem in reports if problem is not None]
+    if problems:
+        return RuntimeError(f"DistributedDataParallel.register_comm_hook: {problems[0]}")
+    if len(set(names.values())) > 1:
+        return ValueError(f"DistributedDataParallel.register_comm_hook: the ranks register "
+                          f"different hooks ({names}); every rank must register the same")
+    return None

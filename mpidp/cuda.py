@@ -32,6 +32,7 @@ import torch
 from mpi4py import MPI
 
 from . import runtime, settings
+from . import watchdog as _watchdog
 
 __all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "library_reports_cuda", "local_device"]
 
@@ -104,8 +105,9 @@ def _probe() -> bool:
     tensor = torch.full((4,), float(comm.Get_rank() + 1), device=device)
     torch.cuda.synchronize(device)
     try:
-        comm.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes),
-                                      tensor.numel(), MPI.FLOAT])
+        _watchdog.watched("the CUDA-aware probe (allreduce of device memory)", comm.Allreduce,
+                          MPI.IN_PLACE, [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes),
+                                         tensor.numel(), MPI.FLOAT])
         expected = comm.Get_size() * (comm.Get_size() + 1) / 2
         ok = bool(torch.all(tensor == expected).item())
     except MPI.Exception:
@@ -147,7 +149,8 @@ def decision() -> Decision:
     override = settings.get("MPIDP_CUDA_AWARE")  # any accepted spelling, normalised for decide
     override = None if override is None else str(int(override))
     reported = library_reports_cuda() if has_gpu else None
-    states = MPI.COMM_WORLD.allgather((override, has_gpu, reported))
+    states = _watchdog.watched("import mpidp: each rank's GPU and CUDA-aware setting (allgather)",
+                               MPI.COMM_WORLD.allgather, (override, has_gpu, reported))
     return agree(states, MPI.COMM_WORLD.Get_rank(), _probe)
 
 

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _args
+from . import agreement as _agreement
 from . import comm as _comm
 from . import ddp_options as _ddp_options
 from . import overlap as _overlap
@@ -163,43 +164,48 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                  shared_memory: bool | None = None):
         super().__init__()
         _keep_out_of_torch_compile()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         base = _base_comm(comm, process_group)
-        _watchdog.check_timeout("timeout", timeout)
-        _ddp_options.check_supported(
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
-            device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list)
-        if bucket_cap_mb is None:
-            bucket_cap_mb = 25
-        _ddp_options.check_sizes(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
-                                 chunk_mb=chunk_mb, inplace_threshold_mb=inplace_threshold_mb)
-        _ddp_options.check_flags(
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-            init_sync=init_sync, check_reduction=check_reduction,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy, predict_gradient_order=predict_gradient_order)
-        _ddp_options.check_flags(optional=True, broadcast_buffers=broadcast_buffers,
-                                 shared_memory=shared_memory,
-                                 forward_sync_buffers=forward_sync_buffers)
-        _args.check_int("dim", dim)
-        _args.check_int("pool_size", pool_size, minimum=1)
-        _ddp_options.check_overlap(overlap)
-        _ddp_options.check_module(module)
-        self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        named = self._named_params(module)
-        if not named:
-            raise ValueError("module has no parameter that requires grad; "
-                             "DistributedDataParallel has nothing to synchronise")
-        device = _ddp_options.module_device(module, device_ids, output_device)
-        if forward_sync_buffers is not None:
-            sync_buffers, init_buffers = forward_sync_buffers, True
-        else:  # torch 2.13: the deprecated switch governs both
-            sync_buffers = init_buffers = broadcast_buffers is not False
-        if first_bucket_mb is None:
-            first_bucket_mb = min(_ddp_options.FIRST_BUCKET_MB, bucket_cap_mb)
+        error = None
+        try:  # every rank judges its arguments; all raise alike before anything collective
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            _watchdog.check_timeout("timeout", timeout)
+            _ddp_options.check_supported(
+                delay_all_reduce_named_params=delay_all_reduce_named_params,
+                param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list)
+            if bucket_cap_mb is None:
+                bucket_cap_mb = 25
+            _ddp_options.check_sizes(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                                     chunk_mb=chunk_mb, inplace_threshold_mb=inplace_threshold_mb)
+            _ddp_options.check_flags(
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                init_sync=init_sync, check_reduction=check_reduction,
+                skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                batched_grad_copy=batched_grad_copy, predict_gradient_order=predict_gradient_order)
+            _ddp_options.check_flags(optional=True, broadcast_buffers=broadcast_buffers,
+                                     shared_memory=shared_memory,
+                                     forward_sync_buffers=forward_sync_buffers)
+            _args.check_int("dim", dim)
+            _args.check_int("pool_size", pool_size, minimum=1)
+            _ddp_options.check_overlap(overlap)
+            _ddp_options.check_module(module)
+            self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+            named = self._named_params(module)
+            if not named:
+                raise ValueError("module has no parameter that requires grad; "
+                                 "DistributedDataParallel has nothing to synchronise")
+            device = _ddp_options.module_device(module, device_ids, output_device)
+            if forward_sync_buffers is not None:
+                sync_buffers, init_buffers = forward_sync_buffers, True
+            else:  # torch 2.13: the deprecated switch governs both
+                sync_buffers = init_buffers = broadcast_buffers is not False
+            if first_bucket_mb is None:
+                first_bucket_mb = min(_ddp_options.FIRST_BUCKET_MB, bucket_cap_mb)
+        except (TypeError, ValueError) as caught:
+            error = caught
+        _agreement.agree(base, error, "DistributedDataParallel(): the ranks' arguments")
 
         self._options = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                              find_unused_parameters=find_unused_parameters,

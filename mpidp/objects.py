@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from . import agreement as _agreement
 from . import comm as _comm
+from . import watchdog as _watchdog
 
 __all__ = ["broadcast_object", "allgather_object", "average"]
 
@@ -69,15 +70,17 @@ def broadcast_object(obj, root: int = 0, *, comm=None):
     mpi = _start(comm, "broadcast_object", root=root)
     is_root = mpi.Get_rank() == root
     data, error = _dumps(obj) if is_root else (None, None)
-    nbytes, error = mpi.bcast((None if data is None else len(data), error), root)
+    nbytes, error = _watchdog.watched("broadcast_object (its size)", mpi.bcast,
+                                      (None if data is None else len(data), error), root)
     if error is not None:
         raise pickle.PicklingError(f"broadcast_object: rank {root}'s object cannot be pickled: "
                                    f"{error}")
     buffer = data if is_root else bytearray(nbytes)
-    mpi.Bcast([buffer, nbytes, MPI.BYTE], root)
+    _watchdog.watched("broadcast_object", mpi.Bcast, [buffer, nbytes, MPI.BYTE], root)
     result, error = (obj, None) if is_root else _loads(buffer)
     _agreement.raise_together(mpi, error, pickle.UnpicklingError,
-                    f"broadcast_object: rank {root}'s object cannot be unpickled on")
+                              f"broadcast_object: rank {root}'s object cannot be unpickled on",
+                              "broadcast_object (every rank unpickled it?)")
     return result
 
 
@@ -98,7 +101,8 @@ def allgather_object(obj, *, comm=None) -> list:
     """
     mpi = _start(comm, "allgather_object")
     data, error = _dumps(obj)
-    headers = mpi.allgather((None if data is None else len(data), error))
+    headers = _watchdog.watched("allgather_object (the sizes)", mpi.allgather,
+                                (None if data is None else len(data), error))
     errors = [error for _, error in headers]
     if any(error is not None for error in errors):
         raise pickle.PicklingError(f"allgather_object: an object cannot be pickled on "
@@ -106,7 +110,8 @@ def allgather_object(obj, *, comm=None) -> list:
     counts = [nbytes for nbytes, _ in headers]
     offsets = [0, *itertools.accumulate(counts)]
     buffer = bytearray(offsets[-1])
-    mpi.Allgatherv([data, len(data), MPI.BYTE], [buffer, (counts, offsets[:-1]), MPI.BYTE])
+    _watchdog.watched("allgather_object", mpi.Allgatherv, [data, len(data), MPI.BYTE],
+                      [buffer, (counts, offsets[:-1]), MPI.BYTE])
     view, rank = memoryview(buffer), mpi.Get_rank()
     results, error = [], None
     for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
@@ -118,7 +123,8 @@ def allgather_object(obj, *, comm=None) -> list:
         if failure is not None and error is None:
             error = f"rank {peer}'s object: {failure}"
     _agreement.raise_together(mpi, error, pickle.UnpicklingError,
-                    "allgather_object: an object cannot be unpickled on")
+                              "allgather_object: an object cannot be unpickled on",
+                              "allgather_object (every rank unpickled them?)")
     return results
 
 
@@ -168,7 +174,7 @@ def average(value, *, comm=None):
     """
     mpi = _start(comm, "average")
     local, error = _numbers(value)
-    gathered = mpi.allgather((local, error))
+    gathered = _watchdog.watched("average (allgather)", mpi.allgather, (local, error))
     errors = [error for _, error in gathered]
     if any(error is not None for error in errors):
         raise TypeError(f"average: {_agreement.by_rank(errors)}")

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from torch import nn
 
 from . import comm as _comm
-from .agreement import watched_allgather
+from .agreement import decide
 from .kernels import pack, unpack
 
 __all__ = ["broadcast_coalesced", "check_replicas", "first_mismatch", "signature"]
@@ -72,11 +72,11 @@ def check_replicas(comm: MPI.Intracomm, module: nn.Module, settings: dict, label
         label: how the stall watchdog names the allgather.
         what: the start of the message.
     """
-    # Gather first, then every rank decides the same: no rank may raise alone
-    # and leave the others in the next collective.
-    mismatch = first_mismatch(watched_allgather(comm, signature(module, settings), label))
-    if mismatch is not None:
-        raise ValueError(f"{what}: {mismatch}")
+    def judge(signatures):
+        mismatch = first_mismatch(signatures)
+        return None if mismatch is None else ValueError(f"{what}: {mismatch}")
+
+    decide(comm, signature(module, settings), judge, label)
 
 
 def broadcast_coalesced(tensors, root: int = 0, *, comm=None, inplace_bytes: int = 1 << 20) -> None:

@@ -90,7 +90,8 @@ class Node:
             self.node = comm.Split(comm.Get_rank() // forced, comm.Get_rank())
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        sizes = comm.allgather(self.node.Get_size())
+        sizes = _watchdog.watched("shared-memory node sizes (allgather)", comm.allgather,
+                                  self.node.Get_size())
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = comm.Split(self.local_rank, comm.Get_rank())
         self.usable = len(set(sizes)) == 1 and sizes[0] > 1
@@ -117,7 +118,8 @@ class Node:
         seg = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         size = seg * self.local_size
         name = f"/dev/shm/mpidp-{os.getpid()}-{next(_SERIAL)}" if self.local_rank == 0 else None
-        name = self.node.bcast(name, root=0)
+        name = _watchdog.watched("shared-memory window name (broadcast)", self.node.bcast,
+                                 name, root=0)
         if self.local_rank == 0:
             try:
                 fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -45,6 +45,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _args
 from . import comm as _comm
 from . import runtime
+from . import watchdog as _watchdog
 
 __all__ = ["SyncBatchNorm"]
 
@@ -346,7 +347,8 @@ class SyncBatchNorm(_BatchNorm):
     def _raise_input_problems(self, problem: str | None):
         # The flag only says that some rank's input was bad; gather the reasons
         # (this path only) so that every rank raises the same message.
-        problems = self._channel.comm.allgather(problem)
+        problems = _watchdog.watched("SyncBatchNorm's input check (allgather)",
+                                     self._channel.comm.allgather, problem)
         text = "; ".join(f"{p} on rank {r}" for r, p in enumerate(problems) if p is not None)
         raise ValueError(f"SyncBatchNorm: {text}")
 

@@ -77,7 +77,7 @@ from . import stall_report
 from ._args import check_number
 from .stall_report import ABORT_STATUS
 
-__all__ = ["ABORT_STATUS", "Scope", "barrier", "set_timeout", "get_timeout", "start"]
+__all__ = ["ABORT_STATUS", "Scope", "barrier", "set_timeout", "get_timeout", "start", "watched"]
 
 _ACTIONS = ("abort", "report")
 _SELF_ABORT_SECONDS = 8.0  # rank 0 summarises within stall_report's 3 s + a wake-up of its own
@@ -190,6 +190,20 @@ def begin(label, context=None, waiting: bool = False) -> _Slot:
     return slot
 
 
+def watched(label, call, *args, **kwargs):
+    """``call(*args, **kwargs)``, a blocking MPI call, recorded under ``label`` while it runs.
+
+    The one door for the blocking calls mpidp makes outside ``mpidp.comm`` (mpi4py's
+    pickled object collectives, a few small agreements): a rank that waits in one
+    is named in stall reports like any other collective.
+    """
+    slot = begin(label)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        slot.current = None
+
+
 def context():
     """This thread's innermost Scope, for a nonblocking operation to report under later."""
     try:
@@ -269,11 +283,7 @@ runtime.set_call_describer(describe_calls)
 def barrier() -> None:
     """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier`` (watched)."""
     runtime.require_mpi()
-    slot = begin("mpidp.barrier()")
-    try:
-        MPI.COMM_WORLD.Barrier()
-    finally:
-        slot.current = None
+    watched("mpidp.barrier()", MPI.COMM_WORLD.Barrier)
 
 
 def _state(now: float) -> dict:

@@ -77,7 +77,7 @@ class CallCheck:
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
         self._request = _comm._collective_comm(pool).Iallreduce(
             MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
-        self._label = self._LABEL
+        self._label = (call + " (its call check)", tensor)  # formatted only in a report
 
     @property
     def handle(self) -> "CallCheck":
@@ -92,7 +92,7 @@ class CallCheck:
             raise _errors.mpi_failure(self._LABEL, error) from error
 
     def wait(self) -> np.ndarray:
-        slot = _watchdog.begin(self._LABEL, None, True)
+        slot = _watchdog.begin(self._label, None, True)
         try:
             self._request.Wait()
         except MPI.Exception as error:

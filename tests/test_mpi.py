@@ -54,10 +54,10 @@ def _by_size() -> dict[int, list[str]]:
     return dict(sorted(sizes.items()))
 
 
-@pytest.mark.parametrize("nprocs,paths", sorted(_by_size().items()),
-                         ids=lambda value: f"{value}ranks" if isinstance(value, int) else
-                         "+".join(p.removeprefix("tests/mpi/check_").removesuffix(".py")
-                                  for p in value))
+@pytest.mark.parametrize("nprocs,paths", [
+    pytest.param(nprocs, paths, id=f"{nprocs}-ranks",
+                 marks=[pytest.mark.quick] if nprocs == 2 else [])  # the quick tier: 2 ranks
+    for nprocs, paths in _by_size().items()])
 def test_mpi_files(nprocs, paths):
     launch.run_pytest(nprocs, paths, timeout=600)
 
@@ -253,6 +253,37 @@ def _source_of(report: str) -> str:
 def _check_lines(result, nprocs: int, ranks) -> None:
     for rank in ranks:
         assert f"[mpidp rank {rank}/{nprocs}] stall: waiting " in result.stderr, result.stderr
+
+
+# What rank 0's summary says the others wait in, when the last rank is late at each kind of
+# collective mpidp issues (tests/mpi/stall_kinds.py), in the script's order.
+STALL_KINDS = {
+    "ddp_bucket": "DDP step 1 bucket 1/1 (0.3 KB): allreduce op=sum dtype=float32 count=81",
+    "shared_memory_reduction": "DDP step 1 bucket 1/1 (0.3 KB): shared-memory allreduce op=sum",
+    "backend_op": "iallreduce (its call check) dtype=float32 count=16",
+    "horovod_op": "hvd allreduce (control message)",
+    "sync_batchnorm": "allreduce op=sum dtype=float64 count=10",
+    "zero_step": "ZeroRedundancyOptimizer.step()",
+    "zero_checkpoint_gather": "ZeroRedundancyOptimizer.consolidate_state_dict() (gather)",
+    "object_collective": "broadcast_object (every rank unpickled it?)",
+}
+
+
+def test_watchdog_names_every_kind_of_collective_a_late_rank_holds_up():
+    """One launch, the last rank late at each kind in turn; MPIDP_TIMEOUT_ACTION=report lets the
+    job go on after each summary, which must name the collective and the late rank's line."""
+    result = launch.run(2, ["tests/mpi/stall_kinds.py"], timeout=240,
+                        env={"MPIDP_TIMEOUT": "1", "MPIDP_TIMEOUT_ACTION": "report"})
+    assert "rank 1: every kind done" in result.stdout, result.stdout + result.stderr[-4000:]
+    summaries = [line for line in result.stderr.splitlines()
+                 if line.startswith("[mpidp rank 0/2] stall summary: ")]
+    starts = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("kind ")]
+    assert starts == list(STALL_KINDS), starts
+    for kind, expected in STALL_KINDS.items():
+        found = [line for line in summaries if f"rank 0: waiting in {expected}" in line]
+        assert found, f"{kind}: no summary names '{expected}':\n" + "\n".join(summaries)
+        assert "rank 1: not in an mpidp collective, main thread at tests/mpi/stall_kinds.py:" \
+            in found[0], found[0]
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

@@ -120,17 +120,24 @@ def _register(process_set: ProcessSet, world: MPI.Intracomm) -> ProcessSet:
         problem = f"ranks {ranks} go beyond the {world.Get_size()} ranks of hvd.init's communicator"
     elif ranks is not None and any(p.ranks == ranks for p in _registry.values()):
         problem = f"a process set with ranks {ranks} is registered already"
-    _agreement.raise_together(world, problem, ValueError, "add_process_set:")
-    every = _agreement.watched_allgather(world, ranks, "add_process_set (ranks check)")
-    named = [r for r in every if r is not None]
-    if any(r != named[0] for r in named) or not named:
-        raise ValueError(f"add_process_set: every rank must name the same ranks, in the same "
-                         f"order of calls, got {_agreement.by_rank([str(r) for r in every])}")
-    process_set.ranks = named[0]
+    every = _agreement.decide(world, (problem, ranks), _judge_ranks, "add_process_set (ranks check)")
+    process_set.ranks = next(r for _, r in every if r is not None)
     comm = world.Create_group(world.Get_group().Incl(process_set.ranks))
     process_set._attach(comm, max(_registry, default=-1) + 1)
     _registry[process_set.process_set_id] = process_set
     return process_set
+
+
+def _judge_ranks(reports: list) -> ValueError | None:
+    """Every rank's (problem, ranks): a problem anywhere, or ranks that differ."""
+    problems = [problem for problem, _ in reports]
+    if any(problems):
+        return ValueError(f"add_process_set: {_agreement.by_rank(problems)}")
+    named = [ranks for _, ranks in reports if ranks is not None]
+    if not named or any(ranks != named[0] for ranks in named):
+        return ValueError(f"add_process_set: every rank must name the same ranks, in the same "
+                          f"order of calls, got {_agreement.by_rank([str(r) for _, r in reports])}")
+    return None
 
 
 def add_process_set(process_set) -> ProcessSet:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .._args import is_int
+from .. import watchdog as _watchdog
 from ..agreement import agree
 
 __all__ = ["CheckpointMixin"]
@@ -79,7 +80,8 @@ class CheckpointMixin:
                                         if isinstance(value, torch.Tensor) else value
                                         for key, value in state.items()})
                  for member, start, stop, state in self._piece_states()]
-        gathered = self._comm.gather(local, root=to)
+        gathered = _watchdog.watched("ZeroRedundancyOptimizer.consolidate_state_dict() (gather)",
+                                     self._comm.gather, local, root=to)
         self._consolidated = None
         if self.rank != to:
             return

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from .. import comm as _comm
 from ..comm import chunking as _chunking
 from .._args import check_bool, check_number, is_int
-from ..agreement import agree, watched_allgather
+from ..agreement import agree, decide
 from ..buckets import Shards, assign_buckets
 from .bucket import Bucket
 from .checkpoint import CheckpointMixin
@@ -114,9 +114,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         # Every rank decides the same: a rank that raised alone would leave the
         # others in the collectives below.
         agree(base, error, _LABEL.format("__init__()"))
-        signatures = watched_allgather(base, self._signature(optimizer_class, stage, chunk_bytes),
-                                       "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
-        agree(base, self._mismatch(signatures), _LABEL.format("__init__()"))
+        decide(base, self._signature(optimizer_class, stage, chunk_bytes), self._mismatch,
+               "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
         self._comm = base.Dup()
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         self.stage = stage
@@ -416,10 +415,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
             error = caught
         try:
             agree(self._comm, error, _LABEL.format("add_param_group()"))
-            signatures = watched_allgather(
-                self._comm, self._signature(self.optimizer_class, self.stage, self._chunk_bytes),
-                "ZeroRedundancyOptimizer.add_param_group(): signatures (allgather)")
-            agree(self._comm, self._mismatch(signatures), _LABEL.format("add_param_group()"))
+            decide(self._comm, self._signature(self.optimizer_class, self.stage, self._chunk_bytes),
+                   self._mismatch, "ZeroRedundancyOptimizer.add_param_group(): signatures (allgather)")
         except (TypeError, ValueError):
             del self.param_groups[groups:]  # as before, on every rank
             raise

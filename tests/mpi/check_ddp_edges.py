@@ -570,3 +570,21 @@ def test_torch_compile_of_the_wrapper_trains_like_eager():
     print(f"EDGE size={SIZE} torch._dynamo.explain(ddp): graphs {explained.graph_count}, "
           f"breaks {explained.graph_break_count}, ops {explained.op_count}")
     assert explained.graph_count == 1 and explained.op_count >= 5  # the model in one graph
+
+
+@pytest.mark.parametrize("bad", [dict(bucket_cap_mb=-1), dict(overlap="sideways"),
+                                 dict(pool_size=0), dict(module="not a module")],
+                         ids=["bucket_cap_mb", "overlap", "pool_size", "module"])
+def test_a_bad_argument_on_one_rank_raises_on_every_rank_before_anything_collective(bad):
+    """Each rank judges its arguments, then all agree (one small allreduce) before the
+    constructor's first collective: the others raise the same error instead of waiting."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    module = bad.pop("module", None) if RANK == SIZE - 1 else None
+    kwargs = bad if RANK == SIZE - 1 else {}
+    with pytest.raises((ValueError, TypeError)) as caught:
+        mpidp.DistributedDataParallel(nn.Linear(4, 4) if module is None else module, **kwargs)
+    texts = MPI.COMM_WORLD.allgather(str(caught.value))
+    assert texts.count(texts[0]) == SIZE, texts
+    assert f"found on rank(s) [{SIZE - 1}]" in texts[0], texts[0]
+    mpidp.DistributedDataParallel(nn.Linear(4, 4))  # every rank goes on, in step

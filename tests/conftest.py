@@ -1,0 +1,16 @@
+"""The quick tier: ``pytest -m quick`` runs these files and the 2-rank launch of the check files.
+
+Files that start no MPI job are quick as a whole; tests/test_mpi.py marks its own
+quick test (every check file at 2 ranks, in one launch).
+"""
+
+import pytest
+
+QUICK_FILES = {"test_units.py", "test_docs.py", "test_layers.py", "test_topology.py",
+               "test_sampler.py", "test_overlap.py", "test_kernels.py", "test_cuda.py"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in QUICK_FILES:
+            item.add_marker(pytest.mark.quick)
