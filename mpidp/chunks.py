@@ -1,7 +1,7 @@
 """A large all_reduce of the backend as chunks, one in flight at a time.
 
-The progress thread advances a ``Chunks`` without blocking (``mpidp.progress``,
-rules 3 and 6); below ``MPI_THREAD_MULTIPLE`` the calling thread runs every
+The progress thread advances a ``Chunks`` without blocking (docs/concurrency.md,
+rules 3, 6 and 7); below ``MPI_THREAD_MULTIPLE`` the calling thread runs every
 chunk as a blocking call. ``mpidp.comm.chunking`` cuts the tensor: it is the one
 place that says how large a chunk is and how a buffer is cut.
 """
@@ -100,7 +100,7 @@ class Chunks:
         two ranks' progress threads and the launcher on 2 cores, one round took 100-600
         us, so a 4 MiB chunk took 1-2 ms against 0.48 ms tested back to back, and a
         16 MiB all_reduce 6-7 ms against 8d46a97's blocking 3.4-6 ms. A burst is still
-        bounded: the progress thread never blocks (mpidp.progress, rule 3). Where a
+        bounded: the progress thread never blocks (docs/concurrency.md, rule 3). Where a
         node holds more ranks than cores, a burst keeps a core from the peer whose turn
         it is (3 ranks on 2 cores: a test of many small chunks went from 9 to 22 s), so
         ``set_burst`` turns it off there.

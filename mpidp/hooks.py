@@ -75,7 +75,7 @@ def compressed_allreduce(buffer: torch.Tensor, dtype: torch.dtype, comm=None) ->
     numel = step = 0
     if problem is None:
         numel = buffer.numel()
-        step = max(1, _chunking.chunk_bytes() // buffer.element_size() // size) * size
+        step = max(1, _chunking.chunk_numel(_chunking.chunk_bytes(), buffer.element_size()) // size) * size
         step = min(step, max(size, -(-numel // size) * size))  # one chunk: one cut, any size
     if size > 1 or problem is not None:
         _check_same_chunks(comm, numel, step, buffer, dtype, problem)

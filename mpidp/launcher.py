@@ -27,7 +27,8 @@ import torch
 from . import runtime
 from . import watchdog as _watchdog
 from .buckets import Bucket
-from .hooks import GradBucket
+from .comm import chunking as _chunking
+from .hook_basics import GradBucket
 from .step import Step
 
 __all__ = ["TIMEOUT_SOURCE", "BucketLauncher"]
@@ -79,7 +80,7 @@ class BucketLauncher:
         buffer = bucket.buffer
         if hook is None:
             self._launch(bucket)
-            per_chunk = max(1, self.strategy.chunk_bytes // buffer.element_size())
+            per_chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, buffer.element_size())
             return max(1, -(-buffer.numel() // per_chunk))  # as chunking.pieces cuts it
         position = self._position[id(bucket)]
         members = self.layout[position]

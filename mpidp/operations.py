@@ -78,8 +78,8 @@ class Operations:
         # MPI's shared-memory bandwidth drops once a message leaves the cache: reduce a
         # large tensor (one DDP bucket may hold 100 MB) in chunks, one after the other,
         # as mpidp.DistributedDataParallel does (4 MiB measured best there), on the
-        # group's chunk communicator (mpidp.progress, rule 3). The size alone decides, so
-        # every rank takes the same path. The tensor is staged once (rule 6 there):
+        # group's chunk communicator (docs/concurrency.md, rule 7). The size alone decides, so
+        # every rank takes the same path. The tensor is staged once (rule 6):
         # device memory the library cannot read is copied to pinned host memory by the
         # progress thread on a side stream ordered after the caller's (an event, so the
         # caller, often autograd's thread, returns at once); otherwise comm._stage on the

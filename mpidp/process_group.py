@@ -242,7 +242,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
 
         Complete on return when the caller asked so or below THREAD_MULTIPLE (the
         blocking MPI call); from a future's callback the progress thread drives it
-        (mpidp.progress, rule 4). ``check``, (call, tensor, op, root): the call's
+        (docs/concurrency.md, rule 3). ``check``, (call, tensor, op, root): the call's
         fingerprint is started right after it and tested first (``mpidp.work.CallCheck``),
         so ranks whose calls differ in element count, dtype, op or root all raise instead
         of MPI truncating quietly.

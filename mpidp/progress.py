@@ -4,48 +4,17 @@ One thread per process tests the pending requests of the torch.distributed
 backend ``"mpidp"``, starts the next chunk of a chunked all_reduce
 (``mpidp.chunks``) and completes Works (``mpidp.work``) and their futures.
 
-The rules, which make every rank issue the same operations in the same order on
-each communicator and keep every rank from waiting on something only a blocked
-thread of its own could start (docs/concurrency.md has the whole model):
-
-1. A program thread starts every operation nonblocking, in its program order,
-   on the group's communicators. torch requires a group's collectives to be
-   called in the same order on every rank; MPI matches them per communicator in
-   the order they start.
-2. The progress thread never blocks in MPI. It tests started requests,
-   completes Works and their futures (in each group's order), and starts the
-   next chunk of a chunked all_reduce. Since it never blocks, no rank can sit
-   in one group's collective while it owes a peer the start of another group's
-   (two groups over the same ranks, as in FSDP2's HSDP, issued in different
-   orders on different ranks).
-3. A chunked all_reduce (larger than ``MPIDP_CHUNK_MB``) goes one chunk at a
-   time on its group's chunk communicator. Only the progress thread starts
-   chunks, and only for the oldest unfinished Work of the group (the head of
-   its queue), so the chunk communicator carries the group's chunked
-   all_reduces in the group's order on every rank. One chunk in flight moves
-   64 MB as fast as blocking 4 MiB chunks do (16.8 vs 17.2 ms, MPICH, 2 ranks).
-   A blocking caller that drove its own chunks instead (tried on 2026-11-26)
-   was slower, 16-22 against 15-17 ms for 64 MiB: the progress thread still
-   spins after the call arrives, and two spinning threads per rank on 2 cores
-   cost more than the hand-over saves.
-4. A program thread that waits blocks only in ``MPI_Wait`` on a request it
-   started (everything the rank owes has been started, or will be by rule 2),
-   or sleeps on a chunked Work's event. A future's callback runs on the
-   progress thread; a collective it issues is driven there (rule 2), not
-   waited on.
-5. Every Work has a deadline: the group's timeout (``init_process_group``'s
-   ``timeout``, torch's default otherwise). Past it, ``wait()`` and the future
-   fail with ``torch.distributed.DistBackendError`` naming the operation; MPI
-   cannot cancel a collective, so its buffers stay referenced until exit.
-   While a Work is pending the progress thread records it with the stall
-   watchdog (``MPIDP_TIMEOUT``), which names it if it stalls.
-6. Device memory follows torch's Work contract. A staged result is copied back
-   on the stream of the thread that completes the Work, and an event recorded
-   after that copy (one per device) is what ``wait()`` makes the caller's
-   current stream wait on. A chunked all_reduce of device memory the library
-   cannot read is copied to pinned host memory by the progress thread, on a
-   side stream ordered after an event of the caller's stream, and polled: the
-   caller returns at once and the progress thread never waits on a device.
+The rules that make every rank issue the same operations in the same order on
+each communicator, and keep every rank from waiting on something only a blocked
+thread of its own could start, are numbered once, in docs/concurrency.md ("The
+rules"); code cites them by those numbers. Here: a program thread starts each
+operation nonblocking in program order (rule 2); this thread only tests requests,
+completes Works and their futures in each group's order, and starts chunks, and a
+blocking step of a future's callback is driven here, never waited on (rule 3);
+only this thread starts chunks, one in flight, for the head of each group's queue,
+on the group's chunk communicator (rule 7); every Work has the group's deadline,
+and a pending Work is recorded with the stall watchdog (rule 8); staged device
+memory follows torch's Work contract (rule 6).
 
 Below ``MPI_THREAD_MULTIPLE`` there is no progress thread: every call completes
 before it returns (chunks as blocking calls on the calling thread), and a
@@ -66,7 +35,7 @@ __all__ = ["progress"]
 
 
 class _Progress:
-    """The progress thread (rule 2): tests requests, starts chunks, completes Works.
+    """The progress thread (rule 3): tests requests, starts chunks, completes Works.
 
     It polls with ``MPI_Test`` (a thread blocked in ``MPI_Wait`` could not see
     requests started after it began waiting): without sleeping for
@@ -137,7 +106,7 @@ class _Progress:
 
     @classmethod
     def _end_job_if_awaited(cls, work) -> None:
-        """A timed-out Work whose future someone already holds ends the job (rule 5)."""
+        """A timed-out Work whose future someone already holds ends the job (rule 8)."""
         if work._future is not None and not work._future_set:
             cls.end_job_for(work, "timed out")
 
@@ -187,7 +156,7 @@ class _Progress:
     def drive_request(self, request) -> None:
         """Complete an MPI request on this thread while progressing everything else.
 
-        What a blocking step of an mpidp.comm call becomes on this thread (rule 2),
+        What a blocking step of an mpidp.comm call becomes on this thread (rule 3),
         through ``mpidp.comm.handle.set_driver``. Never called from inside ``_test``
         (chunks start without such steps), so it does not nest.
         """
@@ -272,7 +241,7 @@ class _Progress:
         return done
 
     def _oldest(self):
-        """The watchdog's record for the oldest pending Work (rule 5), or None."""
+        """The watchdog's record for the oldest pending Work (rule 8), or None."""
         # collectives only: a receive may wait for a late message on purpose
         heads = [queue[0] for queue in self._queues.values() if queue]
         heads = [w for w in heads if w._state == "pending"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import overlap as _overlap
+from .comm import chunking as _chunking
 from .buckets import Bucket, Shards
 from .reducer import Reducer
 from .step import Step
@@ -58,7 +59,7 @@ class ShardedReducer(Reducer):
     def _bucket(self, members: list[int]) -> Bucket:
         params = [self.params[i] for i in members]
         # the chunks mpidp.comm.chunking.pieces would cut: rank r owns a block of each
-        chunk = max(1, self.strategy.chunk_bytes // params[0].element_size())
+        chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, params[0].element_size())
         numel = sum(p.numel() for p in params)
         bucket = Bucket(params, shards=Shards(numel, self.world, chunk))
         bucket.key = (params[0].dtype, params[0].device)

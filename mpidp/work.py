@@ -5,8 +5,7 @@ started requests (or a chunked all_reduce, ``mpidp.chunks``) and the tensors
 torch gets. The progress thread (``mpidp.progress``) completes it, or a thread
 that waits on its own requests does; ``Done`` is a Work that completed before
 it was returned, and ``All`` several as one. The numbered rules cited here
-("rule 4") are those at the top of ``mpidp.progress``, one list for all the
-backend's modules; docs/concurrency.md has the whole model.
+("rule 4") are docs/concurrency.md's, the one list for all of mpidp.
 """
 
 from __future__ import annotations
@@ -286,7 +285,7 @@ class Work(dist.Work):
         deadline = explicit if explicit is not None else self._deadline
         if self._state != "done":
             if progress.in_thread():
-                progress.drive(self, deadline)  # a callback's collective (rule 4)
+                progress.drive(self, deadline)  # a callback's collective (rule 3)
             elif self._chunks is not None or not self._claim():
                 self._sleep_until_done(deadline, explicit is not None)
             else:

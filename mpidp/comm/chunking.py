@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 
-__all__ = ["CHUNK_MB", "chunk_bytes", "pieces"]
+__all__ = ["CHUNK_MB", "chunk_bytes", "chunk_numel", "pieces"]
 
 CHUNK_MB: float = settings.get("MPIDP_CHUNK_MB")
 
@@ -28,6 +28,11 @@ def chunk_bytes(chunk_mb: float | None = None) -> int:
     return max(1, int((CHUNK_MB if chunk_mb is None else chunk_mb) * (1 << 20)))
 
 
+def chunk_numel(nbytes: int, element_size: int) -> int:
+    """Elements of ``element_size`` bytes in a chunk of ``nbytes`` (at least one)."""
+    return max(1, nbytes // max(1, element_size))
+
+
 def pieces(buffer: torch.Tensor, nbytes: int, divisor: int = 1):
     """Yield ``buffer`` (flat) in chunks of at most ``nbytes``, each divided by ``divisor`` first.
 
@@ -35,7 +40,7 @@ def pieces(buffer: torch.Tensor, nbytes: int, divisor: int = 1):
     no larger than one chunk is yielded whole.
     """
     flat = buffer.view(-1)
-    count = max(1, nbytes // max(1, buffer.element_size()))
+    count = chunk_numel(nbytes, buffer.element_size())
     for piece in flat.split(count) if flat.numel() > count else (flat,):
         if divisor != 1:
             piece.div_(divisor)

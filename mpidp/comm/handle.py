@@ -13,7 +13,7 @@ __all__ = ["Handle"]
 # alive even if the caller drops the handle without waiting.
 _in_flight: set = set()
 
-# The thread that must never block in MPI (mpidp.progress, rule 2) registers itself
+# The thread that must never block in MPI (docs/concurrency.md, rule 3) registers itself
 # here: (is that thread the current one, complete a request while progressing the
 # rest). A blocking step of an mpidp.comm call made on that thread (a future's
 # callback issuing a collective, an argument exchange, the MPIDP_DEBUG check) is

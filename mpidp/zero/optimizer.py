@@ -230,7 +230,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                                     order=range(len(indices))):
             members = [indices[k] for k in local]
             first = params[members[0]]
-            chunk = max(1, self._chunk_bytes // first.element_size())
+            chunk = _chunking.chunk_numel(self._chunk_bytes, first.element_size())
             self._add_bucket(members, Shards(sum(params[i].numel() for i in members),
                                              self.world, chunk), False)
 
