@@ -25,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _args
 from . import agreement as _agreement
+from . import communicators as _communicators
 from . import comm as _comm
 from . import ddp_options as _ddp_options
 from . import overlap as _overlap
@@ -259,7 +260,8 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                        "DistributedDataParallel: the model or its settings differ across ranks")
         topology.warn_about_binding(base, stacklevel=4)  # names the line that built this DDP
         self.pool = _comm.Pool(base, self._options["pool_size"])
-        self.control = base.Dup()
+        self.control = _communicators.made(base.Dup(),
+                                           f"DDP {id(self):#x}: its small collectives")
         self._node = _ddp_options.shared_memory_node(self._options["shared_memory"], base, device)
         if base == MPI.COMM_WORLD:
             _watchdog.start()  # collective over COMM_WORLD, as this is; a no-op once started
@@ -416,7 +418,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         finally:
             if self.pool is not None:
                 self.pool.free()
-                self.control.Free()
+                _communicators.free(self.control)
                 self.pool = self.control = None
             node, self._node = getattr(self, "_node", None), None
             if node is not None:

@@ -60,6 +60,7 @@ import time
 import torch.distributed as dist
 from mpi4py import MPI
 
+from . import communicators as _communicators
 from . import settings
 from . import comm as _comm
 from .comm import pool as _comm_pool
@@ -109,7 +110,8 @@ def _create(common, options):
                              f"{world.Get_rank()}")
         group = world.Get_group()
         try:
-            base = world.Create_group(group.Incl(members))
+            base = _communicators.made(world.Create_group(group.Incl(members)),
+                                       f"torch.distributed group of ranks {members}")
         finally:
             group.Free()
     group = ProcessGroupMPIDP(base, common.group_rank, common.group_size, common.timeout)
@@ -166,7 +168,9 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         self._desc = ""
         self._timeout = timeout
         self._coalesced = None  # between _start_coalescing and _end_coalescing: the Works
-        self._chunk_comm = comm.Dup()  # large allreduces, chunk by chunk (see allreduce)
+        # large all_reduces, chunk by chunk; only the progress thread issues on it (rule 7)
+        self._chunk_comm = _communicators.made(comm.Dup(), f"{self!r}: chunks",
+                                               "the progress thread")
         self._aborted = None  # why abort() was called
         self._store = None  # torch's store for this group: set by _create
 
@@ -319,9 +323,9 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
             time.sleep(1e-4)
         if self._pool.comms:
             self._pool.free()
-            self._chunk_comm.Free()
+            _communicators.free(self._chunk_comm)
             if self._mpi != MPI.COMM_WORLD:
-                self._mpi.Free()
+                _communicators.free(self._mpi)
 
     def abort(self) -> None:
         """Fail every pending operation of the group at once, and every later one (local).

@@ -55,7 +55,7 @@ import traceback
 
 import mpi4py
 
-from . import errors, settings
+from . import communicators, errors, settings
 
 __all__ = ["rank", "size", "local_rank", "local_size", "abort_on_exception",
            "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child"]
@@ -168,7 +168,8 @@ def size() -> int:
 def _node_comm() -> MPI.Intracomm:
     # Collective over COMM_WORLD; cached so every rank calls it exactly once.
     require_mpi()
-    return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    return communicators.made(MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED),
+                              "mpidp.runtime: this node's ranks")
 
 
 def local_rank() -> int:

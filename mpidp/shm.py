@@ -36,6 +36,7 @@ import os
 import torch
 from mpi4py import MPI
 
+from . import communicators as _communicators
 from . import settings
 from . import watchdog as _watchdog
 
@@ -90,10 +91,12 @@ class Node:
             self.node = comm.Split(comm.Get_rank() // forced, comm.Get_rank())
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        _communicators.made(self.node, "shared-memory reduction: the node's ranks")
         sizes = _watchdog.watched("shared-memory node sizes (allgather)", comm.allgather,
                                   self.node.Get_size())
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
-        self.cross = comm.Split(self.local_rank, comm.Get_rank())
+        self.cross = _communicators.made(comm.Split(self.local_rank, comm.Get_rank()),
+                                         "shared-memory reduction: across nodes")
         self.usable = len(set(sizes)) == 1 and sizes[0] > 1
         self.reason = ("" if self.usable else
                        "one rank per node" if len(set(sizes)) == 1 else
@@ -103,7 +106,9 @@ class Node:
         """The same grouping on fresh communicators (collective over the grouped ranks)."""
         twin = Node.__new__(Node)
         twin.__dict__.update(self.__dict__)
-        twin.node, twin.cross = self.node.Dup(), self.cross.Dup()
+        twin.node = _communicators.made(self.node.Dup(),
+                                        "shared-memory reduction: the node's ranks")
+        twin.cross = _communicators.made(self.cross.Dup(), "shared-memory reduction: across nodes")
         return twin
 
     def allocate(self, nbytes: int) -> "Window | None":
@@ -152,8 +157,8 @@ class Node:
 
     def free(self) -> None:
         """Release the two communicators (collective), once no window of this node reduces."""
-        self.node.Free()
-        self.cross.Free()
+        _communicators.free(self.node)
+        _communicators.free(self.cross)
 
 
 _SERIAL = itertools.count()

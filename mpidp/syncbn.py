@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _args
 from . import comm as _comm
+from . import communicators as _communicators
 from . import runtime
 from . import watchdog as _watchdog
 
@@ -70,7 +71,7 @@ class _Communicator:
     def comm(self) -> MPI.Intracomm:
         if self._comm is None:
             runtime.require_mpi()
-            self._comm = MPI.COMM_WORLD.Dup()
+            self._comm = _communicators.made(MPI.COMM_WORLD.Dup(), "SyncBatchNorm's channel")
         return self._comm
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,8 @@ def _duplicate(comm) -> _Communicator:
         raise TypeError(f"comm must be None or an mpi4py Intracomm, got {type(comm).__name__}")
     runtime.require_mpi()
     base = MPI.COMM_WORLD if comm is None else comm
-    return _Communicator(base.Dup(), world=base == MPI.COMM_WORLD)
+    return _Communicator(_communicators.made(base.Dup(), "SyncBatchNorm's channel"),
+                         world=base == MPI.COMM_WORLD)
 
 
 def _channel_shape(input: torch.Tensor) -> list[int]:

@@ -73,6 +73,7 @@ from mpi4py import MPI
 
 from . import settings
 from . import runtime
+from . import communicators as _communicators
 from . import stall_report
 from ._args import check_number
 from .stall_report import ABORT_STATUS
@@ -330,7 +331,7 @@ def start() -> None:
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return
-    comm = world.Dup()
+    comm = _communicators.made(world.Dup(), "the stall watchdog", "the watchdog's thread")
     comm.Set_name("mpidp watchdog")
     if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
         _channel = stall_report.Channel(comm, _state)

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "mpidp"
 
 # Each layer may import its own and the layers below it, never one above.
 LAYERS = [
-    ("base", ["settings", "errors", "_args", "address", "buckets", "step", "monitor",
+    ("base", ["settings", "errors", "_args", "communicators", "address", "buckets", "step", "monitor",
               "comm.dtypes", "zero.elementwise", "horovod.timeline", "horovod.compression"]),
     ("runtime", ["runtime", "topology", "cuda", "stall_report", "watchdog", "sampler"]),
     ("communication", ["comm", "comm.*", "agreement", "objects", "optimizer", "shm", "sparse",

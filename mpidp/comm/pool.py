@@ -14,6 +14,7 @@ import threading
 from mpi4py import MPI
 
 from .. import _args, settings
+from .. import communicators as _communicators
 from .. import runtime as _runtime
 from .. import watchdog as _watchdog
 
@@ -36,7 +37,8 @@ class Pool:
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
         slot = _watchdog.begin("MPI_Comm_dup for a Pool (collective)")
         try:
-            self.comms = [base.Dup() for _ in range(size)]
+            owner = f"a pool of {size} over {base.Get_name() or 'a communicator'}"
+            self.comms = [_communicators.made(base.Dup(), owner) for _ in range(size)]
         finally:
             slot.current = None
         # itertools.cycle's next() is one C call: atomic under the GIL, so two threads
@@ -60,7 +62,7 @@ class Pool:
     def free(self) -> None:
         """Free the duplicated communicators (collective)."""
         for comm in self.comms:
-            comm.Free()
+            _communicators.free(comm)
         self.comms = []
 
 

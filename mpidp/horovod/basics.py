@@ -14,7 +14,9 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from .. import _args
+from .. import communicators as _communicators
 from .. import runtime as _runtime
+from .. import watchdog as _watchdog
 from . import process_sets as _sets
 from . import settings as _settings
 from . import state as _state_module
@@ -67,10 +69,12 @@ def init(comm=None, process_sets=None) -> None:
         raise TypeError(f"process_sets must be None, 'dynamic' or a list of ProcessSet, "
                         f"got {process_sets!r}")
     base = _base(comm)
-    world = base.Dup()
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    cross = world.Split(local.Get_rank(), world.Get_rank())
-    local_sizes = world.allgather(local.Get_size())
+    world = _communicators.made(base.Dup(), "hvd.init: Horovod's world")
+    local = _communicators.made(world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank()),
+                                "hvd.init: the node's ranks")
+    cross = _communicators.made(world.Split(local.Get_rank(), world.Get_rank()),
+                                "hvd.init: one rank per node")
+    local_sizes = _watchdog.watched("hvd.init (node sizes)", world.allgather, local.Get_size())
     _state.world, _state.local, _state.cross = world, local, cross
     _state.homogeneous = len(set(local_sizes)) == 1
     global_set = _sets.global_process_set
@@ -94,7 +98,7 @@ def shutdown() -> None:
     stop_timeline()
     _sets._clear()  # frees the world too: the global set owns it
     for comm in (_state.local, _state.cross):
-        comm.Free()
+        _communicators.free(comm)
     _state.world = _state.local = _state.cross = None
 
 

@@ -18,6 +18,7 @@ from mpi4py import MPI
 from .. import _args
 from .. import agreement as _agreement
 from .. import ddp_options as _ddp_options
+from .. import communicators as _communicators
 from . import state as _state
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
@@ -80,7 +81,10 @@ class ProcessSet:
     def _attach(self, comm: MPI.Intracomm, process_set_id: int) -> None:
         self.process_set_id = process_set_id
         if comm != MPI.COMM_NULL:
-            self.comm, self.data, self.control = comm, comm.Dup(), comm.Dup()
+            owner = f"hvd process set {process_set_id}"
+            self.comm = _communicators.made(comm, owner)
+            self.data = _communicators.made(comm.Dup(), owner + ": its data")
+            self.control = _communicators.made(comm.Dup(), owner + ": its control messages")
 
     def _detach(self) -> None:
         if self._node is not None and self._node[0] is not None:
@@ -88,7 +92,7 @@ class ProcessSet:
         self._node = None
         for comm in (self.data, self.control, self.comm):
             if comm is not None and comm != MPI.COMM_NULL:
-                comm.Free()
+                _communicators.free(comm)
         self.comm = self.data = self.control = None
         self.process_set_id = None
 
@@ -120,7 +124,8 @@ def _register(process_set: ProcessSet, world: MPI.Intracomm) -> ProcessSet:
         problem = f"ranks {ranks} go beyond the {world.Get_size()} ranks of hvd.init's communicator"
     elif ranks is not None and any(p.ranks == ranks for p in _registry.values()):
         problem = f"a process set with ranks {ranks} is registered already"
-    every = _agreement.decide(world, (problem, ranks), _judge_ranks, "add_process_set (ranks check)")
+    every = _agreement.decide(world, (problem, ranks), _judge_ranks,
+                              "add_process_set (ranks check)")
     process_set.ranks = next(r for _, r in every if r is not None)
     comm = world.Create_group(world.Get_group().Incl(process_set.ranks))
     process_set._attach(comm, max(_registry, default=-1) + 1)
@@ -135,8 +140,9 @@ def _judge_ranks(reports: list) -> ValueError | None:
         return ValueError(f"add_process_set: {_agreement.by_rank(problems)}")
     named = [ranks for _, ranks in reports if ranks is not None]
     if not named or any(ranks != named[0] for ranks in named):
+        named = _agreement.by_rank([str(ranks) for _, ranks in reports])
         return ValueError(f"add_process_set: every rank must name the same ranks, in the same "
-                          f"order of calls, got {_agreement.by_rank([str(r) for _, r in reports])}")
+                          f"order of calls, got {named}")
     return None
 
 

@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from .. import comm as _comm
+from .. import communicators as _communicators
 from ..comm import chunking as _chunking
 from .._args import check_bool, check_number, is_int
 from ..agreement import agree, decide
@@ -116,7 +117,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         agree(base, error, _LABEL.format("__init__()"))
         decide(base, self._signature(optimizer_class, stage, chunk_bytes), self._mismatch,
                "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
-        self._comm = base.Dup()
+        self._comm = _communicators.made(base.Dup(),
+                                         f"ZeroRedundancyOptimizer {id(self):#x}")
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         self.stage = stage
         self.optimizer_class = optimizer_class
@@ -415,8 +417,9 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
             error = caught
         try:
             agree(self._comm, error, _LABEL.format("add_param_group()"))
-            decide(self._comm, self._signature(self.optimizer_class, self.stage, self._chunk_bytes),
-                   self._mismatch, "ZeroRedundancyOptimizer.add_param_group(): signatures (allgather)")
+            signature = self._signature(self.optimizer_class, self.stage, self._chunk_bytes)
+            decide(self._comm, signature, self._mismatch,
+                   "ZeroRedundancyOptimizer.add_param_group(): signatures (allgather)")
         except (TypeError, ValueError):
             del self.param_groups[groups:]  # as before, on every rank
             raise

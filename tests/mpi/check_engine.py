@@ -215,3 +215,28 @@ def test_broadcast_reduce_and_reduce_scatter_calls_that_differ_raise_on_every_ra
     tensor = torch.full((5,), float(RANK))
     dist.all_reduce(tensor)
     assert torch.all(tensor == sum(range(SIZE)))
+
+
+def test_every_communicator_is_registered_with_its_owner_and_freed_with_it():
+    """mpidp.communicators lists what each part made, and forgets it when that part frees it."""
+    from mpidp import communicators
+    before = communicators.listing()
+    ddp = mpidp.DistributedDataParallel(nn.Linear(4, 4))
+    group = dist.new_group(list(range(SIZE)))
+    dist.all_reduce(torch.ones(2), group=group)
+    optimizer = mpidp.ZeroRedundancyOptimizer(nn.Linear(4, 4).parameters(), torch.optim.SGD, lr=1)
+    owners = [record.owner for record in communicators.listing()]
+    assert any(owner.startswith(f"DDP {id(ddp):#x}") for owner in owners), owners
+    assert any(owner.startswith(f"ZeroRedundancyOptimizer {id(optimizer):#x}") for owner in owners)
+    assert any(owner.endswith(": chunks") for owner in owners), owners
+    assert all(record.size == SIZE for record in communicators.listing()
+               if record.owner.startswith("DDP"))
+    issuers = {record.issuer for record in communicators.listing()}
+    assert "the progress thread" in issuers
+    ddp.close()
+    dist.destroy_process_group(group)
+    after = [record.owner for record in communicators.listing()]
+    assert not any(owner.startswith(f"DDP {id(ddp):#x}") for owner in after), after
+    assert len(after) < len(owners)
+    assert [r for r in before if r.owner.startswith("DDP")] == \
+        [r for r in communicators.listing() if r.owner.startswith("DDP")]  # only its own went
