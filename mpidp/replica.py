@@ -5,7 +5,7 @@ same model: the same parameters and buffers (names, shapes, dtypes, which
 ones train) and the same DDP settings, in the same order, since the buckets
 are laid out from them. ``check_replicas`` gathers each rank's signature and
 raises the same description of the first difference on every rank (no rank
-raises alone, STYLE rule 3); ``broadcast_coalesced`` gives every rank rank
+raises alone and leaves the others in a collective); ``broadcast_coalesced`` gives every rank rank
 0's values (``DistributedDataParallel``'s ``init_sync``, buffer broadcasts and
 ``join()``).
 """
