@@ -7,6 +7,7 @@ is seen without editing this file.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import importlib.util
 import inspect
@@ -279,14 +280,49 @@ def test_the_api_reference_covers_every_public_name():
 
 # -- Python in the docs against the real modules ------------------------------------------------
 
-PYTHON_BLOCK = re.compile(r"^(?:<!-- runs: (\d) -->\n)?```python\n(.*?)^```", re.M | re.S)
+PYTHON_BLOCK = re.compile(r"^(?:<!-- runs: (\d) -->\n)?(?:<!-- given: ([^>]*) -->\n)?"
+                          r"```python\n(.*?)^```", re.M | re.S)
 
 
 def python_blocks() -> list[tuple[str, str, int | None]]:
     """(page, code, ranks it runs on or None) for every ```python block of the pages."""
-    return [(str(page.relative_to(ROOT)), match.group(2),
+    return [(str(page.relative_to(ROOT)), match.group(3),
              int(match.group(1)) if match.group(1) else None)
             for page in PAGES for match in PYTHON_BLOCK.finditer(page.read_text())]
+
+
+def _undefined(code: str) -> set[str]:
+    """Names a block reads that it never imports, assigns, defines or takes as an argument."""
+    defined, used = set(dir(builtins)), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            defined.add(node.name)
+    return used - defined
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_blocks_that_import_define_what_they_use(page):
+    """A block with an import reads as a program: every name it uses is imported or defined there,
+    or named before it in ``<!-- given: a, b -->`` (what the reader brings). A block without an
+    import is a fragment of the text around it."""
+    problems = []
+    for match in PYTHON_BLOCK.finditer(page.read_text()):
+        code = match.group(3)
+        if not any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(ast.parse(code))):
+            continue
+        given = {name.strip() for name in (match.group(2) or "").split(",") if name.strip()}
+        missing = _undefined(code) - given
+        if missing:
+            problems.append(f"{code.splitlines()[0]!r}...: uses {sorted(missing)}")
+    assert problems == []
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -453,3 +489,36 @@ def test_complete_snippets_run(page, code, ranks, tmp_path):
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
                             start_new_session=True)
     assert result.returncode == 0, f"{page}:\n{code}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+# -- samples of what the code writes -------------------------------------------------------------
+
+def test_the_info_sample_shows_every_line_info_prints():
+    """docs/cluster.md's sample of ``python -m mpidp info`` has a line for each label it prints."""
+    source = (ROOT / "mpidp" / "__main__.py").read_text()
+    labels = set(re.findall(r'print\(f?"([A-Za-z][\w -]*):\s', source)) - {"warning"}  # on problems only
+    assert {"MPI library", "torch backend"} <= labels, "the scan of mpidp/__main__.py found no labels"
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    sample = re.search(r"^## The info report\n.*?^```\n(.*?)^```", text, re.M | re.S)
+    assert sample, "docs/cluster.md has no sample under ## The info report"
+    shown = {line.split(":")[0] for line in sample.group(1).splitlines() if ":" in line}
+    assert labels - shown == set()
+
+
+def test_zero_checkpoint_file_names_are_the_ones_save_sharded_writes():
+    """The names the docs give for save_sharded's files follow the format in mpidp/zero/checkpoint.py."""
+    source = (ROOT / "mpidp" / "zero" / "checkpoint.py").read_text()
+    fmt = re.search(r'f"(zero-rank\{self\.rank(:\w*)?\}-of-\{self\.world(:\w*)?\}\.pt)"', source)
+    assert fmt, "save_sharded's file name format was not found"
+    rank_spec, world_spec = (fmt.group(2) or ":")[1:], (fmt.group(3) or ":")[1:]
+    wrong = []
+    for page in PAGES:
+        for rank, world in re.findall(r"zero-rank(\d+)-of-(\d+)\.pt", page.read_text()):
+            expected = f"zero-rank{int(rank):{rank_spec}}-of-{int(world):{world_spec}}.pt"
+            if f"zero-rank{rank}-of-{world}.pt" != expected:
+                wrong.append(f"{page.relative_to(ROOT)}: zero-rank{rank}-of-{world}.pt, not {expected}")
+        for rank, world in re.findall(r"zero-rank\{([^}]*)\}-of-\{([^}]*)\}\.pt", page.read_text()):
+            if not (rank.endswith(f":{rank_spec}") and world.endswith(f":{world_spec}")):
+                wrong.append(f"{page.relative_to(ROOT)}: zero-rank{{{rank}}}-of-{{{world}}}.pt "
+                             f"leaves out the format ({rank_spec!r}, {world_spec!r})")
+    assert wrong == []
