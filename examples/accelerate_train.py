@@ -3,9 +3,12 @@
     mpiexec -n 2 python examples/accelerate_train.py            # over "mpidp" (MPI)
     mpiexec -n 2 python examples/accelerate_train.py --gloo     # over gloo, rendezvous by mpidp
 
-Accelerate's CPU path accepts only the backends "mpi", "ccl" and "gloo" by name,
-so ``Accelerator(backend="mpidp")`` is refused; a process group that is already
-started is kept, so ``mpidp.init_process_group("mpidp")`` comes first. With
+On a machine without a GPU, Accelerate is distributed only with
+``Accelerator(cpu=True)`` (or ACCELERATE_USE_CPU=true); without it every rank
+trains alone. Its CPU path names the backend itself ("mpi" if torch was built
+with MPI, else "gloo") and refuses any other name, "mpidp" included; a process
+group that is already started is kept, so ``mpidp.init_process_group("mpidp")``
+comes first. With
 ``--gloo`` Accelerate starts gloo itself from the RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT that ``import mpidp`` exported (no launcher variables needed).
 A small regression model; the evaluation gathers every rank's predictions with

@@ -3,8 +3,9 @@
     mpiexec -n 2 python examples/torch_fsdp.py
 
 mpidp registers a torch.distributed backend named "mpidp": after
-``mpidp.init_process_group()`` every torch.distributed program runs over MPI,
-with no MASTER_ADDR, no TCP store and no gloo. Here it is torch's own FSDP2:
+``mpidp.init_process_group("mpidp")`` every torch.distributed program runs over
+MPI, with no MASTER_ADDR to set and no gloo (the rendezvous store is torch's
+TCPStore, which rank 0 starts and MPI announces). Here it is torch's own FSDP2:
 each rank holds a shard of every parameter, all-gathers a layer's weights just
 before using them and reduce-scatters the gradients.
 
@@ -79,7 +80,7 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
 
-    mpidp.init_process_group()  # mpidp: torch.distributed over MPI (rank and size from mpiexec)
+    mpidp.init_process_group("mpidp")  # mpidp: torch.distributed over MPI (rank and size from mpiexec)
     rank, size = dist.get_rank(), dist.get_world_size()  # mpidp
     if BATCH % size:  # mpidp: equal shares keep the check below exact
         raise SystemExit(f"run on a number of ranks that divides {BATCH}")

@@ -8,6 +8,8 @@ the data are random token sequences, so the loss only falls towards the
 entropy of the data. ``TrainingArguments(ddp_backend=...)`` accepts "gloo",
 "nccl", "mpi", ... but not "mpidp" (Accelerate, underneath, refuses it on CPU):
 ``mpidp.init_process_group("mpidp")`` first, and the Trainer keeps that group.
+``use_cpu=True`` is handed to Accelerate as its ``cpu=True``, which on a machine
+without a GPU is what makes it train on every rank together.
 Needs the frameworks extra: pip install -e ".[frameworks]".
 """
 

@@ -26,7 +26,8 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
 # shows as every rank saying "rank 0 of 1" in the info report below.
 SRUN_MPI=${SRUN_MPI:-pmi2}
-LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --distribution=block:block)
+# --kill-on-bad-exit=1: a rank that dies ends the job instead of leaving the others waiting.
+LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --distribution=block:block --kill-on-bad-exit=1)
 #   MPICH's own launcher instead:   mpiexec -n "$SLURM_NTASKS" -ppn 2 -bind-to numa
 #   Open MPI's launcher instead:    mpiexec -n "$SLURM_NTASKS" --map-by ppr:1:numa --bind-to numa
 # Edit: your training script and its arguments.
@@ -35,7 +36,8 @@ EXAMPLE=(examples/train_digits.py --epochs 10)
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
     echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp info"
     LAUNCH=(mpiexec -n 2 -bind-to core)  # the local stand-in: 2 ranks, a core each
-    EXAMPLE=(examples/train_digits.py --epochs 1)
+    # your own EXAMPLE runs as you wrote it; only the bundled example is cut short
+    if [[ "${EXAMPLE[0]}" == examples/train_digits.py ]]; then EXAMPLE=(examples/train_digits.py --epochs 1); fi
 fi
 
 "${LAUNCH[@]}" python -m mpidp info

@@ -2,7 +2,9 @@
 # mpidp on SLURM GPU nodes: one MPI rank per GPU.
 #
 # mpidp picks the GPU of each rank's local rank; the cores per task feed the
-# data loader and the host-side work.
+# data loader and the host-side work. The three numbers below follow the GPUs
+# per node: for nodes of 2 GPUs, --ntasks-per-node=2 --gpus-per-node=2 and
+# --cpus-per-task = cores per node / 2.
 #SBATCH --job-name=mpidp-gpu
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4         # = GPUs per node
@@ -26,14 +28,16 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
 # shows as every rank saying "rank 0 of 1" in the info report below.
 SRUN_MPI=${SRUN_MPI:-pmi2}
-LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --gpu-bind=closest)
+# --kill-on-bad-exit=1: a rank that dies ends the job instead of leaving the others waiting.
+LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --gpu-bind=closest --kill-on-bad-exit=1)
 # Edit: your training script and its arguments.
 EXAMPLE=(examples/train_digits.py --epochs 10)
 
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
     echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp info"
     LAUNCH=(mpiexec -n 2 -bind-to core)  # the local stand-in: 2 ranks, a core each
-    EXAMPLE=(examples/train_digits.py --epochs 1)
+    # your own EXAMPLE runs as you wrote it; only the bundled example is cut short
+    if [[ "${EXAMPLE[0]}" == examples/train_digits.py ]]; then EXAMPLE=(examples/train_digits.py --epochs 1); fi
 fi
 
 "${LAUNCH[@]}" python -m mpidp info

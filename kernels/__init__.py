@@ -49,7 +49,7 @@ def _fusable(dtype: torch.dtype, flat_dtype: torch.dtype, uniform: bool) -> bool
     except ImportError:
         if not _warned_no_cupy:
             warnings.warn("mpidp.kernels: CuPy is not installed, so CUDA tensors are packed with "
-                          "torch ops (a launch per tensor); pip install 'mpidp[cuda]'", RuntimeWarning)
+                          "torch ops (a launch per tensor); pip install 'mpidp[cuda12]' (or cuda13)", RuntimeWarning)
             _warned_no_cupy = True
         return False
     return True

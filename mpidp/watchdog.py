@@ -50,10 +50,11 @@ library may not allow from this thread while another is inside MPI; the
 launcher then ends the job as for any rank that dies (mpiexec does; under
 ``srun`` that needs ``--kill-on-bad-exit``).
 
-**Limits.** Only calls that go through mpidp are seen: raw mpi4py calls,
-``mpidp.barrier()``, ``mpidp.objects``, the sparse gradients' gathers and
-DDP's construction are not recorded, and a rank stuck there reads as "not in
-an mpidp collective".
+**Limits.** Only calls that go through mpidp are seen. ``mpidp.barrier()``,
+the sparse gradients' gathers (``mpidp.comm.allgatherv``), DDP's construction
+check and every error agreement (``mpidp.agreement``) are recorded; raw mpi4py
+calls and the payload transfers of ``mpidp.objects`` are not, and a rank stuck
+there reads as "not in an mpidp collective".
 A rank whose watchdog thread never started (it made no recorded call and
 nothing called ``start()``) cannot answer. Several threads in mpidp calls at
 once: the line names the one that has waited longest. The abort status is

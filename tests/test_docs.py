@@ -1,4 +1,4 @@
-"""The README and docs/ against the repository: links, MPIDP_* variables, the CI command.
+"""The README and docs/ against the repository: links, MPIDP_* variables, the CI command, the API.
 
 Everything is read from the tree at run time, so a module that moves or a variable that appears
 is seen without editing this file.
@@ -7,7 +7,15 @@ is seen without editing this file.
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib
+import importlib.util
+import inspect
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,3 +245,322 @@ def test_no_hand_written_test_counts_or_suite_times():
     found = [f"{path.relative_to(ROOT)}: {match.group(0)!r}" for path in files
              for match in HAND_KEPT.finditer(path.read_text())]
     assert found == []
+
+
+def test_every_test_command_block_is_the_ci_command():
+    """docs/testing.md shows the command too: each <!-- test-command --> block must be CI's."""
+    blocks = {str(page.relative_to(ROOT)): re.findall(r"<!-- test-command -->\n```bash\n(.+?)\n```",
+                                                    page.read_text(), re.S) for page in PAGES}
+    assert blocks["docs/testing.md"], "docs/testing.md shows no <!-- test-command --> block"
+    wrong = {page: found for page, found in blocks.items()
+             if any(block.strip() != _readme_test_command() for block in found)}
+    assert wrong == {}
+
+
+# -- the index: user guides, internals, measurements ------------------------------------------
+
+INDEX = ROOT / "docs" / "README.md"
+DATE = re.compile(r"(?<![\w/-])20\d\d-\d\d-\d\d(?![\w/-])")
+COMMIT = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/.-])")
+
+
+def index_sections() -> dict[str, set[str]]:
+    """The pages each ``## section`` of docs/README.md links to."""
+    sections = {}
+    for match in re.finditer(r"^## (.+?)\n(.*?)(?=^## |\Z)", INDEX.read_text(), re.M | re.S):
+        sections[match.group(1).strip()] = set(re.findall(r"\]\(([\w-]+\.md)\)", match.group(2)))
+    return sections
+
+
+def test_the_index_lists_every_page_once_by_kind():
+    sections = index_sections()
+    assert set(sections) == {"User guides", "Internals", "Measurements"}
+    listed = [page for pages in sections.values() for page in pages]
+    pages = {path.name for path in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert sorted(listed) == sorted(pages), "each page of docs/ in exactly one section of docs/README.md"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_dates_and_commits_only_on_measurement_pages(page):
+    """Dated figures age; they belong on the measurement pages (a report's path may hold a date)."""
+    if page.parent.name == "docs" and page.name in index_sections()["Measurements"]:
+        return
+    text = page.read_text()
+    assert DATE.findall(text) == [] and COMMIT.findall(text) == []
+
+
+# -- the API reference -------------------------------------------------------------------------
+
+def _gen_api():
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_name_has_a_docstring():
+    assert _gen_api().undocumented() == []
+
+
+def test_the_api_reference_is_current():
+    """docs/api.md is what docs/gen_api.py writes now: run it after changing a public name."""
+    assert (ROOT / "docs" / "api.md").read_text() == _gen_api().render(), \
+        "docs/api.md is stale: run python docs/gen_api.py"
+
+
+def test_the_api_reference_covers_every_public_name():
+    import mpidp
+    import mpidp.horovod
+    text = (ROOT / "docs" / "api.md").read_text()
+    modules = [mpidp, mpidp.horovod, *(getattr(mpidp, name) for name in mpidp.__all__
+                                       if inspect.ismodule(getattr(mpidp, name)))]
+    names = {f"{module.__name__}.{name}" for module in modules for name in module.__all__
+             if not inspect.ismodule(getattr(module, name))}
+    missing = sorted(name for name in names if f"### `{name}`" not in text)
+    assert missing == []
+
+
+# -- Python in the docs against the real modules ------------------------------------------------
+
+PYTHON_BLOCK = re.compile(r"^(?:<!-- runs: (\d) -->\n)?(?:<!-- given: ([^>]*) -->\n)?"
+                          r"```python\n(.*?)^```", re.M | re.S)
+
+
+def python_blocks() -> list[tuple[str, str, int | None]]:
+    """(page, code, ranks it runs on or None) for every ```python block of the pages."""
+    return [(str(page.relative_to(ROOT)), match.group(3),
+             int(match.group(1)) if match.group(1) else None)
+            for page in PAGES for match in PYTHON_BLOCK.finditer(page.read_text())]
+
+
+def _undefined(code: str) -> set[str]:
+    """Names a block reads that it never imports, assigns, defines or takes as an argument."""
+    defined, used = set(dir(builtins)), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            defined.add(node.name)
+    return used - defined
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_blocks_that_import_define_what_they_use(page):
+    """A block with an import reads as a program: every name it uses is imported or defined there,
+    or named before it in ``<!-- given: a, b -->`` (what the reader brings). A block without an
+    import is a fragment of the text around it."""
+    problems = []
+    for match in PYTHON_BLOCK.finditer(page.read_text()):
+        code = match.group(3)
+        if not any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(ast.parse(code))):
+            continue
+        given = {name.strip() for name in (match.group(2) or "").split(",") if name.strip()}
+        missing = _undefined(code) - given
+        if missing:
+            problems.append(f"{code.splitlines()[0]!r}...: uses {sorted(missing)}")
+    assert problems == []
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Names that stand for an mpidp module in a block: mpidp itself, ``import mpidp.x as y``,
+    ``from mpidp import x``."""
+    names = {"mpidp": "mpidp"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("mpidp.") and alias.asname:
+                    names[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mpidp":
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return None
+
+
+def _resolve(path: str):
+    """The object ``mpidp.a.b.c`` names: the longest importable module, then getattr."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)  # AttributeError: the docs name something that is not there
+        return obj
+    raise ImportError(path)
+
+
+def mpidp_references(code: str) -> tuple[list[str], list[tuple[str, ast.Call]]]:
+    """The mpidp names a block uses, and its calls of mpidp callables."""
+    tree = ast.parse(code)
+    aliases = _aliases(tree)
+    names, calls = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Name)):
+            parts = _dotted(node)
+            if parts and parts[0] in aliases:
+                names.add(".".join([aliases[parts[0]], *parts[1:]]))
+        if isinstance(node, ast.Call):
+            parts = _dotted(node.func)
+            if parts and parts[0] in aliases:
+                calls.append((".".join([aliases[parts[0]], *parts[1:]]), node))
+    return sorted(names), calls
+
+
+BLOCKS = python_blocks()
+
+
+@pytest.mark.parametrize("page,code", [(page, code) for page, code, _ in BLOCKS],
+                         ids=[f"{page}:{index}" for index, (page, _, _) in enumerate(BLOCKS)])
+def test_python_blocks_name_what_mpidp_has(page, code):
+    """Every ``mpidp.x.y`` a block uses exists, and every call's arguments fit its signature."""
+    names, calls = mpidp_references(code)
+    unknown = []
+    for name in names:
+        try:
+            _resolve(name)
+        except (AttributeError, ImportError) as err:
+            unknown.append(f"{name}: {err}")
+    assert unknown == []
+    wrong = []
+    for name, call in calls:
+        target = _resolve(name)
+        if any(isinstance(arg, ast.Starred) for arg in call.args) or \
+                any(keyword.arg is None for keyword in call.keywords):
+            continue  # *args or **kwargs: nothing to check statically
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind_partial(*call.args, **{k.arg: k.value for k in call.keywords})
+        except TypeError as err:
+            wrong.append(f"{name}({ast.unparse(call)[len(ast.unparse(call.func)) + 1:]}: {err}")
+    assert wrong == []
+
+
+INLINE_SIGNATURE = re.compile(r"`(mpidp(?:\.\w+)+)\(([^`]*)\)`")
+
+
+def inline_signatures() -> list[tuple[str, str, str]]:
+    """(page, name, written parameters) for inline code such as ``mpidp.x.f(a, *, b=None)``."""
+    return [(str(page.relative_to(ROOT)), match.group(1), match.group(2))
+            for page in PAGES for match in INLINE_SIGNATURE.finditer(FENCE.sub("", page.read_text()))]
+
+
+@pytest.mark.parametrize("page,name,written", inline_signatures(),
+                         ids=[f"{p}:{n}" for p, n, _ in inline_signatures()])
+def test_inline_signatures_match_the_code(page, name, written):
+    """Prose that writes out a call or a signature of an mpidp function gets its kinds right:
+    a keyword-only parameter written as positional (or a name that does not exist) fails."""
+    target = _resolve(name)
+    real = inspect.signature(target).parameters
+    try:  # a signature: parameter names, kinds, defaults
+        written_params = ast.parse(f"def _({written}): pass").body[0].args
+    except SyntaxError:
+        written_params = None
+    if written_params is not None:
+        positional = written_params.posonlyargs + written_params.args
+        named = {a.arg for a in positional[len(positional) - len(written_params.defaults):]}
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in real.values())
+        problems = []
+        for arg, kind in [(a.arg, "positional") for a in positional] + \
+                         [(a.arg, "keyword-only") for a in written_params.kwonlyargs]:
+            if arg not in real:  # a bare positional name may be an argument value, as in f(model)
+                if (kind == "keyword-only" or arg in named) and not takes_any:
+                    problems.append(f"{arg}: no such parameter")
+                continue
+            is_kwonly = real[arg].kind is inspect.Parameter.KEYWORD_ONLY
+            if is_kwonly != (kind == "keyword-only"):
+                problems.append(f"{arg}: written {kind}, is "
+                                f"{'keyword-only' if is_kwonly else 'positional'}")
+        assert problems == [], f"{page}: {name}({written}) against {inspect.signature(target)}"
+        return
+    try:  # a call: its keywords must exist
+        call = ast.parse(f"f({written})", mode="eval").body
+    except SyntaxError:  # prose with "..." or the like: the names at least
+        return
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in real.values())
+    unknown = [k.arg for k in call.keywords if k.arg and k.arg not in real and not takes_any]
+    assert unknown == [], f"{page}: {name} has no parameter {unknown}"
+
+
+# -- complete snippets run ------------------------------------------------------------------
+
+RUNNABLE = [(page, code, ranks) for page, code, ranks in BLOCKS if ranks]
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def test_some_snippets_are_marked_to_run():
+    assert len({page for page, _, _ in RUNNABLE}) >= 3
+
+
+@pytest.mark.parametrize("page,code,ranks", RUNNABLE,
+                         ids=[f"{page}:{index}" for index, (page, _, _) in enumerate(RUNNABLE)])
+def test_complete_snippets_run(page, code, ranks, tmp_path):
+    """A block marked ``<!-- runs: N -->`` is a whole program: pasted into a file, it runs at N ranks."""
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]):
+                if importlib.util.find_spec(name.split(".")[0]) is None:
+                    pytest.skip(f"{name} is not installed (an extra)")
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, str(script)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+                            start_new_session=True)
+    assert result.returncode == 0, f"{page}:\n{code}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+# -- samples of what the code writes -------------------------------------------------------------
+
+def test_the_info_sample_shows_every_line_info_prints():
+    """docs/cluster.md's sample of ``python -m mpidp info`` has a line for each label it prints."""
+    source = (ROOT / "mpidp" / "__main__.py").read_text()
+    labels = set(re.findall(r'print\(f?"([A-Za-z][\w -]*):\s', source)) - {"warning"}  # on problems only
+    assert {"MPI library", "torch backend"} <= labels, "the scan of mpidp/__main__.py found no labels"
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    sample = re.search(r"^## The info report\n.*?^```\n(.*?)^```", text, re.M | re.S)
+    assert sample, "docs/cluster.md has no sample under ## The info report"
+    shown = {line.split(":")[0] for line in sample.group(1).splitlines() if ":" in line}
+    assert labels - shown == set()
+
+
+def test_zero_checkpoint_file_names_are_the_ones_save_sharded_writes():
+    """The names the docs give for save_sharded's files follow the format in mpidp/zero/checkpoint.py."""
+    source = (ROOT / "mpidp" / "zero" / "checkpoint.py").read_text()
+    fmt = re.search(r'f"(zero-rank\{self\.rank(:\w*)?\}-of-\{self\.world(:\w*)?\}\.pt)"', source)
+    assert fmt, "save_sharded's file name format was not found"
+    rank_spec, world_spec = (fmt.group(2) or ":")[1:], (fmt.group(3) or ":")[1:]
+    wrong = []
+    for page in PAGES:
+        for rank, world in re.findall(r"zero-rank(\d+)-of-(\d+)\.pt", page.read_text()):
+            expected = f"zero-rank{int(rank):{rank_spec}}-of-{int(world):{world_spec}}.pt"
+            if f"zero-rank{rank}-of-{world}.pt" != expected:
+                wrong.append(f"{page.relative_to(ROOT)}: zero-rank{rank}-of-{world}.pt, not {expected}")
+        for rank, world in re.findall(r"zero-rank\{([^}]*)\}-of-\{([^}]*)\}\.pt", page.read_text()):
+            if not (rank.endswith(f":{rank_spec}") and world.endswith(f":{world_spec}")):
+                wrong.append(f"{page.relative_to(ROOT)}: zero-rank{{{rank}}}-of-{{{world}}}.pt "
+                             f"leaves out the format ({rank_spec!r}, {world_spec!r})")
+    assert wrong == []

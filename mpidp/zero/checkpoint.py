@@ -226,9 +226,10 @@ class CheckpointMixin:
     def save_sharded(self, directory: str) -> None:
         """Write this rank's ``sharded_state_dict()`` to ``directory`` (collective).
 
-        One file per rank, ``zero-rank{r}-of-{N}.pt``; ``load_sharded`` reads them
-        back at any number of ranks. The directory must be shared by the ranks
-        that will load it.
+        One file per rank, ``zero-rank{r:05d}-of-{N:05d}.pt`` (``zero-rank00001-of-00004.pt``
+        is rank 1 of 4); files of a save at another number of ranks are removed
+        first. ``load_sharded`` reads them back at any number of ranks. The
+        directory must be shared by the ranks that will load it.
         """
         error = None
         try:
