@@ -96,13 +96,10 @@ class Chunks:
         """Test the chunk in flight back to back for up to ``burst_seconds``; True once done.
 
         MPICH moves a large nonblocking allreduce on only inside a test, and the
-        progress loop yields the core between two of its rounds (time.sleep(0)): with
-        two ranks' progress threads and the launcher on 2 cores, one round took 100-600
-        us, so a 4 MiB chunk took 1-2 ms against 0.48 ms tested back to back, and a
-        16 MiB all_reduce 6-7 ms against 8d46a97's blocking 3.4-6 ms. A burst is still
-        bounded: the progress thread never blocks (docs/concurrency.md, rule 3). Where a
-        node holds more ranks than cores, a burst keeps a core from the peer whose turn
-        it is (3 ranks on 2 cores: a test of many small chunks went from 9 to 22 s), so
+        progress loop yields the core between two of its rounds (time.sleep(0)), which
+        slowed each chunk several times over (docs/performance.md, "Figures behind the code's choices"). A burst is still bounded: the
+        progress thread never blocks (docs/concurrency.md, rule 3). Where a node holds
+        more ranks than cores, a burst keeps a core from the peer whose turn it is, so
         ``set_burst`` turns it off there.
         """
         request = self._handle

@@ -16,10 +16,9 @@ allreduce needs no message at all, only MPI barriers:
 Each rank reads its slice of every bucket and writes its slice of every
 bucket: 2S bytes per rank for an S-byte bucket, which is the least an
 allreduce can move through memory. MPICH's own shared-memory allreduce copies
-the data through its cells several times; on the 2-core test machine the
-same 50 MB took 6.7-8.2 ms here against 13.6-14.1 ms through
-``MPI_Allreduce`` (README, "Shared-memory reduction"). Every rank gets the same bits, since one
-rank computes each sum.
+the data through its cells several times (the figures: docs/performance.md,
+"Figures behind the code's choices"). Every rank gets the same bits, since one rank
+computes each sum.
 
 ``mpidp.DistributedDataParallel`` puts its CPU buckets there when
 ``shared_memory`` allows it (see ``Node.usable``), at the end of the first

@@ -116,8 +116,8 @@ def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> No
     error, the others' requests abandoned with ``result`` (a mismatched call may never end).
 
     Most calls end within the first microseconds: a spin of ``MPI_Testall`` over the raw
-    requests, one C call a round, finds that (bench/check_cost.py: a blocking all_reduce of
-    4 bytes took 42 us with two handles tested in turn). Testall completes all or none, so
+    requests, one C call a round, finds that (bench/check_cost.py; docs/performance.md, "Figures behind the code's choices").
+    Testall completes all or none, so
     what is still pending after the spin goes the ordered way, check first.
     """
     if len(handles) > 1 and _all_done_soon(handles):
@@ -396,9 +396,8 @@ def wait_request(handle: _comm.Handle, deadline: float | None) -> None:
     """``handle.wait()``, or raise TimeoutError at ``deadline``.
 
     MPI has no timed wait, so this tests the request: without sleeping for
-    ``_SPIN_SECONDS`` (a nonblocking collective moves only inside MPI calls,
-    and a sleep between tests stalls it: with a 1 ms spin, a 4 MiB all_reduce
-    took 2.3 ms against 1.8 ms blocking), then sleeping from 20 us doubling to
+    ``_SPIN_SECONDS`` (a nonblocking collective moves only inside MPI calls, and a
+    sleep between tests stalls it: docs/performance.md, "Figures behind the code's choices"), then sleeping from 20 us doubling to
     1 ms, so a rank that waits on a late peer does not hold a core.
     """
     if deadline is None:

@@ -3,9 +3,7 @@
 MPI's shared-memory allreduce slows down past a few MiB (its bounce buffers
 overflow the caches), so every large reduction mpidp makes goes chunk by
 chunk: DDP's buckets under every overlap strategy (``chunk_mb``), the comm
-hooks, and the torch.distributed backend's all_reduce. Measured on the
-2-core CI machine: 4 MiB chunks against one whole 64 MB allreduce, 17 ms
-against 34 ms; 32 MiB chunks cost wide's step +28 % (bench/reports).
+hooks, and the torch.distributed backend's all_reduce (docs/performance.md, "Figures behind the code's choices").
 
 Division by the number of ranks lives here too: a chunk is divided just
 before it is reduced, while it is still in cache, never the whole buffer
