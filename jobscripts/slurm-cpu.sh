@@ -19,10 +19,14 @@ set -euo pipefail
 
 # One torch thread per core the rank owns (mpidp does the same when it is unset).
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+# SLURM 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun: without this,
+# --cpu-bind=cores would give each rank one core (SLURM reads SRUN_CPUS_PER_TASK).
+export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}
 # Each task gets a block of cpus-per-task cores; block:block keeps a task's
 # cores inside one socket/NUMA domain.
 # srun starts the ranks through a PMI plugin that must match the MPI mpi4py was
-# built against: pmi2 for MPICH, MVAPICH and Intel MPI, pmix for Open MPI,
+# built against: pmi2 for MPICH, MVAPICH and Intel MPI (which also needs
+# I_MPI_PMI_LIBRARY=<SLURM's libpmi2.so>, docs/install.md), pmix for Open MPI,
 # cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
 # shows as every rank saying "rank 0 of 1" in the info report below.
 SRUN_MPI=${SRUN_MPI:-pmi2}

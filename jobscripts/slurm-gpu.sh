@@ -21,10 +21,14 @@ set -euo pipefail
 #   source "$HOME/venvs/mpidp/bin/activate"     or     module load python cuda cray-mpich
 
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+# SLURM 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun: without this,
+# --cpu-bind=cores would give each rank one core (SLURM reads SRUN_CPUS_PER_TASK).
+export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}
 # Cray MPICH: export MPICH_GPU_SUPPORT_ENABLED=1 for CUDA-aware communication.
 # --gpu-bind=closest gives each task the GPU nearest its cores.
 # srun starts the ranks through a PMI plugin that must match the MPI mpi4py was
-# built against: pmi2 for MPICH, MVAPICH and Intel MPI, pmix for Open MPI,
+# built against: pmi2 for MPICH, MVAPICH and Intel MPI (which also needs
+# I_MPI_PMI_LIBRARY=<SLURM's libpmi2.so>, docs/install.md), pmix for Open MPI,
 # cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
 # shows as every rank saying "rank 0 of 1" in the info report below.
 SRUN_MPI=${SRUN_MPI:-pmi2}

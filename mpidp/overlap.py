@@ -14,10 +14,10 @@ reduce-scatters each (input chunk, output shard) pair instead:
 | "nonblocking" | nonblocking MPI collectives, progressed by the     | the MPI library progresses them well (network   |
 |               | hooks polling the oldest request                   | offload, asynchronous progress)                 |
 
-Measured with MPICH 5.0 on 2 ranks x 1 core (README, Performance): MPICH's
-nonblocking allreduce moves data about half as fast as its blocking one, and
-with both cores computing, a thread only adds scheduling jitter, so "inline"
-is the default.
+With every core computing, a communication thread only adds scheduling jitter,
+and MPICH's nonblocking allreduce moves data more slowly than its blocking one:
+"inline" beat both on CPU (docs/performance.md, the sweeps), so it is the
+default there.
 
 Buffers larger than ``chunk_bytes`` are reduced in chunks: MPI shared-memory
 bandwidth falls once a message no longer fits the cache. ``start(buffer,
@@ -68,7 +68,7 @@ class _Strategy:
         """Release resources (threads)."""
 
 
-class Nonblocking(_Strategy):
+class NonblockingStrategy(_Strategy):
     """Nonblocking collectives, progressed by polling from the autograd hooks."""
 
     def __init__(self, pool, chunk_bytes):
@@ -92,8 +92,8 @@ class Nonblocking(_Strategy):
         self._handles, self._oldest = [], 0
 
 
-class Blocking(_Strategy):
-    """Blocking collectives issued from the hook as soon as a bucket is ready."""
+class InlineStrategy(_Strategy):
+    """Blocking collectives issued from the hook as soon as a bucket is ready ("inline")."""
 
     def start(self, buffer: torch.Tensor, divisor: int = 1, pairs=None) -> None:
         self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
@@ -102,7 +102,7 @@ class Blocking(_Strategy):
         pass
 
 
-class Threaded(_Strategy):
+class ThreadStrategy(_Strategy):
     """A communication thread runs blocking collectives on ready buckets, in order.
 
     For CUDA buffers the thread works on a side stream that first waits for an
@@ -191,7 +191,8 @@ class Threaded(_Strategy):
             self._thread.join()
 
 
-STRATEGIES = {"inline": Blocking, "thread": Threaded, "nonblocking": Nonblocking}
+STRATEGIES = {"inline": InlineStrategy, "thread": ThreadStrategy,
+              "nonblocking": NonblockingStrategy}
 NAMES = ("auto", *STRATEGIES)
 
 

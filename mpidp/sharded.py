@@ -109,7 +109,7 @@ class ShardedReducer(Reducer):
                  for (start, stop), (_, _, position) in zip(shards.chunks, shards.blocks(0))]
         with self._fatal_on_error():
             self.strategy.start(bucket.buffer, 1, pairs)
-        if isinstance(self.strategy, _overlap.Blocking):
+        if isinstance(self.strategy, _overlap.InlineStrategy):
             self._release(bucket)  # reduced already: the buffer can serve the next bucket
 
     def _finish(self, step: Step, failed: bool, joined: bool = False) -> None:

@@ -153,7 +153,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._flat = [Bucket(members) if len(members) > 1 else None for members in self._buckets]
         self._strategy = None
         if self._process_set.included():
-            self._strategy = _overlap.Blocking(self._process_set.data, _chunking.chunk_bytes())
+            self._strategy = _overlap.InlineStrategy(self._process_set.data,
+                                                     _chunking.chunk_bytes())
             self._adopt_window()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self._reset()

@@ -18,7 +18,7 @@ from mpidp import overlap  # noqa: E402
 level = mpidp.runtime.thread_level()
 assert level <= MPI.THREAD_SERIALIZED, f"asked for serialized, MPI granted {level}"
 ddp = mpidp.DistributedDataParallel(nn.Linear(4, 2))
-assert isinstance(ddp.reducer.strategy, overlap.Blocking), ddp.reducer.strategy
+assert isinstance(ddp.reducer.strategy, overlap.InlineStrategy), ddp.reducer.strategy
 try:
     mpidp.DistributedDataParallel(nn.Linear(4, 2), overlap="thread")
 except ValueError as error:
