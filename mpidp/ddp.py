@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import weakref
 
 import torch
@@ -43,23 +42,6 @@ __all__ = ["DistributedDataParallel", "DDP", "broadcast_coalesced", "owner"]
 
 # parameter -> weak reference to the DDP that reduces it (ZeroRedundancyOptimizer(stage=2))
 _OWNERS = WeakIdKeyDictionary()
-_UNTRACED = threading.Lock()  # guards the one-time marking below (DDPs built in threads)
-
-
-def _keep_out_of_torch_compile() -> None:
-    """Mark the forward's bookkeeping (collectives, Python state) as never traced by torch.compile.
-
-    Done at the first construction, not at import: ``torch.compiler.disable`` imports
-    torch._dynamo, which more than doubled the time of ``import mpidp``; a module is
-    compiled only after its DDP exists, so the mark is always there before tracing.
-    """
-    with _UNTRACED:
-        for name in ("_pre_forward", "_post_forward"):
-            method = DistributedDataParallel.__dict__[name]
-            if not getattr(method, "_mpidp_untraced", False):
-                method = torch.compiler.disable(method)
-                method._mpidp_untraced = True
-                setattr(DistributedDataParallel, name, method)
 
 
 def owner(param: torch.Tensor) -> "DistributedDataParallel | None":
@@ -164,7 +146,9 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                  inplace_threshold_mb: float | str | None = "auto", timeout: float | None = None,
                  shared_memory: bool | None = None):
         super().__init__()
-        _keep_out_of_torch_compile()
+        # its forward's bookkeeping calls MPI and keeps Python state: never traced
+        runtime.keep_out_of_torch_compile(DistributedDataParallel,
+                                          ("_pre_forward", "_post_forward"))
         base = _base_comm(comm, process_group)
         error = None
         try:  # every rank judges its arguments; all raise alike before anything collective

@@ -92,9 +92,23 @@ def register() -> None:
         _rendezvous_module.register_rendezvous_handler(_SCHEME, _rendezvous.handler)
 
 
+# What torch calls on a group and on its Works: run as they are under torch.compile, between
+# graphs (dynamo cannot trace into a Python process group: it sees an opaque script object).
+_ENTRY_POINTS = tuple(name for name, value in vars(Operations).items()
+                      if not name.startswith("_") and callable(value)) + (
+    "monitored_barrier", "shutdown", "abort", "_start_coalescing", "_end_coalescing")
+
+
+_WORK_METHODS = ("wait", "is_completed", "is_success", "exception", "result", "get_future",
+                 "source_rank")
+
+
 def _create(common, options):
     """torch's backend creator: a ProcessGroupMPIDP over the group's MPI sub-communicator."""
     _runtime.require_mpi()
+    _runtime.keep_out_of_torch_compile(ProcessGroupMPIDP, _ENTRY_POINTS)
+    for kind in (_work.Work, _work.Done, _work.All):  # what a compiled caller waits on
+        _runtime.keep_out_of_torch_compile(kind, [m for m in _WORK_METHODS if hasattr(kind, m)])
     world = MPI.COMM_WORLD
     members = list(common.global_ranks_in_group)
     if not members:  # the default group

@@ -50,6 +50,7 @@ import os
 import stat
 import sys
 import termios
+import threading
 import time
 import traceback
 
@@ -180,6 +181,31 @@ def local_rank() -> int:
 def local_size() -> int:
     """Return the number of ranks on this node."""
     return _node_comm().Get_size()
+
+
+# --- torch.compile ---------------------------------------------------------------------
+
+_untraced_lock = threading.Lock()
+
+
+def keep_out_of_torch_compile(cls: type, names) -> None:
+    """Mark methods ``names`` of ``cls`` as never traced by torch.compile (idempotent).
+
+    torch.compile runs each marked method as it is, between graphs: what calls MPI
+    or keeps Python state cannot be traced. Called where an object of ``cls`` is
+    first made, not at import: ``torch.compiler.disable`` loads torch._dynamo, which
+    took more than a second of ``import mpidp``. A model is compiled after that object
+    exists, so the mark is always in place before any tracing.
+    """
+    import torch  # noqa: PLC0415  (runtime itself needs no torch)
+
+    with _untraced_lock:
+        for name in names:
+            method = cls.__dict__.get(name) or getattr(cls, name)
+            if not getattr(method, "_mpidp_untraced", False):
+                method = torch.compiler.disable(method)
+                method._mpidp_untraced = True
+                setattr(cls, name, method)
 
 
 # --- abort -----------------------------------------------------------------------------

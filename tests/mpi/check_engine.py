@@ -28,8 +28,7 @@ def _differs(match: str):
     """What a call that differs across ranks raises: the backend's call check, or under
     MPIDP_DEBUG the debug check that runs before it and names each rank's call."""
     if mpidp.comm.checks._DEBUG:
-        return pytest.raises(ValueError, match="collective calls differ across ranks: rank 0 "
-                                               "called ")
+        return pytest.raises(ValueError, match=r"collective calls differ across ranks: ranks? 0\b")
     return pytest.raises(_work.CallMismatch, match=match)
 
 
