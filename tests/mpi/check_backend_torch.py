@@ -291,27 +291,33 @@ def test_zero_redundancy_optimizer_matches_single_process_and_gloo(groups, optim
                         torch.testing.assert_close(got[index][key], value, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_torch_ddp_under_torch_compile_matches_one_process_and_gloo(groups, compiler):
+@pytest.mark.parametrize("compiler,compiled_autograd", [("aot_eager", False), ("inductor", False),
+                                                        ("aot_eager", True)])
+def test_torch_ddp_under_torch_compile_matches_one_process_and_gloo(groups, compiler,
+                                                                    compiled_autograd):
     """torch.compile(DDP(model)) over "mpidp" (issue 30): dynamo runs the group's operations as
     they are, between graphs; the result equals one process and gloo, with no more graph breaks."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
     modules, breaks = {}, {}
+    patch = torch._dynamo.config.patch(compiled_autograd=compiled_autograd)
     for name, group in groups.items():
         torch._dynamo.reset()
         counters.clear()
         ddp = DDP(net(), process_group=group)
         compiled = torch.compile(ddp, backend=compiler)
         opt = OPTIMIZERS["sgd"](ddp.parameters())
-        for step in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(step)
-            F.mse_loss(compiled(shard(x)), shard(y)).backward()
-            opt.step()
+        with patch:
+            for step in range(STEPS):
+                opt.zero_grad()
+                x, y = batch(step)
+                F.mse_loss(compiled(shard(x)), shard(y)).backward()
+                opt.step()
         modules[name] = ddp.module
         breaks[name] = sum(counters["graph_break"].values())
     vs_single = max_rel_diff(modules["mpidp"], single())
     vs_gloo = max_rel_diff(modules["mpidp"], modules["gloo"])
-    report(f"ddp-compile-{compiler} graph_breaks={breaks}", vs_single, vs_gloo)
+    report(f"ddp-compile-{compiler}-ca{int(compiled_autograd)} graph_breaks={breaks}", vs_single,
+           vs_gloo)
     assert vs_single < TIGHT and vs_gloo < TIGHT
     assert breaks["mpidp"] <= breaks["gloo"], breaks
