@@ -203,3 +203,18 @@ def test_hybrid_sharding_on_a_2d_mesh_matches_single_process():
     diff = max_rel_diff(model, local)
     report("fully_shard-hsdp-2x2-mlp-adam", diff)
     assert diff < TIGHT
+
+
+def test_fully_shard_under_torch_compile_matches_single_process():
+    """FSDP2 over "mpidp" under torch.compile (issue 30): the group's operations run untraced,
+    between graphs, and the result is one process's."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model = shard_model(build("mlp"))
+    local = build("mlp")
+    compiled = torch.compile(model, backend="aot_eager")
+    train(compiled, OPTIMIZERS["sgd"](model.parameters()), "mlp", STEPS, SIZE, RANK)
+    train(local, OPTIMIZERS["sgd"](local.parameters()), "mlp", STEPS, 1, 0)
+    diff = max_rel_diff(model, local)
+    report("fully_shard-compiled-mlp-sgd", diff)
+    assert diff < TIGHT
