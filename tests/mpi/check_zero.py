@@ -918,3 +918,20 @@ def test_the_inner_optimizers_own_argument_errors_name_it():
     with pytest.raises(ValueError, match=r"SGD\(lr=-1\) raised ValueError: Invalid learning rate"):
         mpidp.ZeroRedundancyOptimizer(params_of(), torch.optim.SGD, lr=-1)
     assert_alive()
+
+
+def test_stage_1_chunks_follow_mpidp_chunk_mb_unless_chunk_mb_is_given(monkeypatch):
+    """chunk_mb=None takes MPIDP_CHUNK_MB (read at import into mpidp.comm.chunking), as the DDP does;
+    a chunk_mb given wins. A chunk is the most elements one allgather moves."""
+    params = [nn.Parameter(torch.zeros(1000, dtype=torch.float64))]
+
+    def chunk_of(optimizer) -> int:
+        start, stop = optimizer._buckets[0].shards.chunks[0]
+        return stop - start
+
+    monkeypatch.setattr(mpidp.comm.chunking, "CHUNK_MB", 0.001)  # as MPIDP_CHUNK_MB=0.001 would
+    following = mpidp.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+    given = mpidp.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, chunk_mb=4)
+    per_chunk = mpidp.comm.chunking.chunk_numel(mpidp.comm.chunking.chunk_bytes(), 8)
+    assert chunk_of(following) == max(1, per_chunk // SIZE) * SIZE  # 131 float64, rounded
+    assert chunk_of(given) == following._buckets[0].shards.padded  # one chunk: 4 MiB > 8 KB
