@@ -24,9 +24,10 @@ the same as long as the global batch (``batch_size`` x ranks) is. Rank ``r``
 takes rank ``r``'s generators if the saving run had one, else generators
 seeded from ``mpidp.generators.derived_seed(step, r)``.
 
-Every method that talks to the other ranks says so; all run on a duplicate
-of ``MPI.COMM_WORLD`` made by the constructor and used only by the thread
-that calls them.
+Every method that talks to the other ranks says so. Rule: they all issue on
+one duplicate of ``MPI.COMM_WORLD``, made by the constructor (registered in
+``mpidp.communicators``) and freed by ``close()``, from the one thread that
+calls them; nothing else issues on it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from mpi4py import MPI
 
 from . import _args, agreement, generators, preemption, runtime
+from . import communicators as _communicators
 from . import watchdog as _watchdog
 from .ddp import DistributedDataParallel
 from .sampler import DistributedSampler
@@ -152,7 +154,7 @@ class Checkpointer:
                  signals=preemption.DEFAULT_SIGNALS, deadline: float = _DEADLINE, keep: int = 2,
                  every: int | None = None, exit_on_stop: bool = True):
         runtime.require_mpi()
-        self._comm = MPI.COMM_WORLD.Dup()  # collective; freed by close()
+        self._comm = _communicators.made(MPI.COMM_WORLD.Dup(), f"Checkpointer {id(self):#x}")
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         error = None
         try:
@@ -165,7 +167,7 @@ class Checkpointer:
             self.directory = os.path.abspath(directory)
             self._check_directory()
         except BaseException:  # raised on every rank alike
-            self._comm.Free()
+            _communicators.free(self._comm)
             raise
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.sampler, self.batch_size, self.extra = sampler, batch_size, dict(extra or {})
@@ -230,7 +232,7 @@ class Checkpointer:
         """Give the signals their handlers back and free the communicator (collective)."""
         preemption.disarm()
         if self._comm != MPI.COMM_NULL:
-            self._comm.Free()
+            _communicators.free(self._comm)
 
     # -- the loop ------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
     python tests/preempt_soak.py --nprocs 2 --runs 20 --signal TERM --out soak.json
 
 Each run launches examples/train_preemptible.py (float64, a save every 3
-steps, so that some signals land inside a write), waits a random time, and
+steps, so that some signals land inside a write, 0.2 s a step), waits a random time, and
 sends the signal to one random rank or to every rank (start-up, forward,
 backward, an allreduce, a save and the gaps between all get hit). Whatever
 the launch then does, it is launched again on the same directory, as
@@ -37,7 +37,7 @@ SAVED = re.compile(r"mpidp: stopped at step (\d+) .*checkpoint saved in ([\d.]+)
 def launch(nprocs: int, directory: str, delay: float | None, signum: int, everyone: bool):
     """One launch; after ``delay`` seconds signal one rank (or all). Returns (status, stdout)."""
     command = [mpiexec(), "-n", str(nprocs), sys.executable, EXAMPLE, "--checkpoint-dir",
-               directory, *ARGS, "--save-every", "3"]
+               directory, *ARGS, "--save-every", "3", "--pace", "0.2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
