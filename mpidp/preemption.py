@@ -21,7 +21,7 @@ or all, at any moment: inside an allreduce, in the backward, between steps.
 
 ``mpidp.checkpoint.Checkpointer`` puts these together with an atomic save;
 these are its building blocks for a user with a loop and checkpoints of their
-own. Imports no MPI at import time; ``arm`` must run in the main thread
+own. Nothing here calls MPI at import; ``arm`` must run in the main thread
 (Python delivers signals there only).
 """
 
