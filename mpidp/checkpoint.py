@@ -277,7 +277,7 @@ class Checkpointer:
         if isinstance(model, DistributedDataParallel) and model.reducer is not None:
             count, stop = preemption.agreed_by(model)
             token = (id(model.reducer), count)
-            if token != self._token:  # the last synced step carried every rank's flag
+            if count and token != self._token:  # a synced step since: it carried every rank's flag
                 self._token = token
                 return stop
         return preemption.agree_stop(self._comm)

@@ -3,9 +3,10 @@
     python tests/preempt_soak.py --nprocs 2 --runs 20 --signal TERM --out soak.json
 
 Each run launches examples/train_preemptible.py (float64, a save every 3
-steps, so that some signals land inside a write, 0.2 s a step), waits a random time, and
-sends the signal to one random rank or to every rank (start-up, forward,
-backward, an allreduce, a save and the gaps between all get hit). Whatever
+steps, so that some signals land inside a write, 0.2 s a step) and sends the
+signal to one random rank or to every rank at a random moment: a quarter of
+the runs during start-up, the others a random time after a random step
+(forward, backward, an allreduce, a save and the gaps between all get hit). Whatever
 the launch then does, it is launched again on the same directory, as
 jobscripts/preemptible.sh does after a signal, until one launch finishes.
 The printed losses of the sequence, step by step, must equal the
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,25 +36,47 @@ from test_preemption import ARGS, EXAMPLE, LINE, _ranks_of  # noqa: E402
 SAVED = re.compile(r"mpidp: stopped at step (\d+) .*checkpoint saved in ([\d.]+) s")
 
 
-def launch(nprocs: int, directory: str, delay: float | None, signum: int, everyone: bool):
-    """One launch; after ``delay`` seconds signal one rank (or all). Returns (status, stdout)."""
+def launch(nprocs: int, directory: str, moment, signum: int, everyone: bool):
+    """One launch; at ``moment`` signal one rank (or all). Returns (status, stdout, first step's time).
+
+    ``moment``: None (no signal), ("start-up", seconds after the launch) or ("step", k, seconds
+    after rank 0 printed step k: inside step k+1's forward, backward, allreduces or save).
+    """
     command = [mpiexec(), "-n", str(nprocs), sys.executable, EXAMPLE, "--checkpoint-dir",
                directory, *ARGS, "--save-every", "3", "--pace", "0.2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    if delay is not None:
-        end = time.monotonic() + delay
-        while time.monotonic() < end and process.poll() is None:
-            time.sleep(0.005)
+    lines, first, printed = [], [None], threading.Event()
+    wanted = moment[1] if moment and moment[0] == "step" else None
+
+    def read():
+        for line in process.stdout:
+            lines.append(line)
+            match = LINE.match(line.strip())
+            if match and first[0] is None:
+                first[0] = time.monotonic() - started
+            if match and int(match.group(1)) == wanted:
+                printed.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    if moment is not None:
+        if moment[0] == "start-up":
+            time.sleep(moment[1])
+        else:
+            printed.wait(timeout=600)
+            time.sleep(moment[2])
         ranks = _ranks_of(process.pid)
         for pid in (ranks if everyone else random.sample(ranks, min(1, len(ranks)))):
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-    out, _ = process.communicate(timeout=600)
-    return process.returncode, out
+    process.wait(timeout=600)
+    reader.join()
+    return process.returncode, "".join(lines), first[0]
 
 
 def main() -> None:
@@ -66,29 +90,32 @@ def main() -> None:
     random.seed(args.seed)
     signum = getattr(signal, "SIG" + args.signal)
     with tempfile.TemporaryDirectory() as base:
-        started = time.monotonic()
-        status, out = launch(args.nprocs, os.path.join(base, "reference"), None, 0, False)
-        length = time.monotonic() - started
+        status, out, first_step = launch(args.nprocs, os.path.join(base, "reference"), None, 0,
+                                         False)
         assert status == 0, out[-2000:]
         reference = LINE.findall(out)
         results = []
         for run in range(args.runs):
             directory = os.path.join(base, f"run{run}")
-            delay, everyone = random.uniform(0, length), random.random() < 0.5
+            everyone = random.random() < 0.5
+            if random.random() < 0.25:
+                moment = ("start-up", round(random.uniform(0, first_step), 3))
+            else:
+                moment = ("step", random.randrange(1, len(reference)), round(random.uniform(0, 0.25), 3))
             statuses, printed, saves = [], [], []
-            status, out = launch(args.nprocs, directory, delay, signum, everyone)
+            status, out, _ = launch(args.nprocs, directory, moment, signum, everyone)
             while True:
                 statuses.append(status)
                 printed += LINE.findall(out)
                 saves += [float(s) for _, s in SAVED.findall(out)]
                 if status == 0 or len(statuses) > 5:
                     break
-                status, out = launch(args.nprocs, directory, None, 0, False)
+                status, out, _ = launch(args.nprocs, directory, None, 0, False)
             # every step printed by any launch, a step printed again after a relaunch too
             want = {int(step): loss for step, loss in reference}
             same = (statuses[-1] == 0 and {int(step) for step, _ in printed} == set(want)
                     and all(want[int(step)] == loss for step, loss in printed))
-            results.append(dict(delay=round(delay, 3), everyone=everyone, statuses=statuses,
+            results.append(dict(moment=moment, everyone=everyone, statuses=statuses,
                                 saves=saves, same=same))
             print(json.dumps(results[-1]), flush=True)
     saves = [s for r in results for s in r["saves"]]
