@@ -273,3 +273,18 @@ def test_a_global_batch_the_new_size_cannot_keep_is_an_error_on_every_rank(direc
     with pytest.raises(ValueError, match=f"global batch is {2 * SIZE} samples"):
         loader.resume()
     loader.close()
+
+
+def test_torchs_ddp_stops_at_the_same_step_and_saves_the_unwrapped_module(directory, gloo):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    checkpointer = mpidp.Checkpointer(directory, model=ddp, optimizer=optimizer,
+                                      exit_on_stop=False)
+    stopped = _run_until_stop(checkpointer, ddp, optimizer, signal_at=2, signum=signal.SIGTERM)
+    assert COMM.allgather(stopped) == [2] * SIZE  # the 4-byte allreduce, at that very step
+    saved = torch.load(os.path.join(latest_checkpoint(directory)[0], "model.pt"),
+                       weights_only=True)
+    assert saved.keys() == ddp.module.state_dict().keys()  # no "module." prefix
+    for name, value in ddp.module.state_dict().items():
+        assert torch.equal(saved[name], value)
+    checkpointer.close()
