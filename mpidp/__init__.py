@@ -20,6 +20,8 @@ raises ``RuntimeError``.
 from . import runtime  # isort: skip
 from . import comm, cuda, errors, hooks, kernels, objects, optimizer, process_group, topology, watchdog, zero
 from . import rendezvous
+from . import checkpoint, generators, preemption
+from .checkpoint import Checkpointer
 from .ddp import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
@@ -37,11 +39,12 @@ __version__ = "0.1.0"
 process_group.register()  # torch.distributed backend "mpidp" and mpidp:// (no MPI call)
 
 __all__ = [
-    "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm",
+    "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm", "Checkpointer",
     "ZeroRedundancyOptimizer",
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
+    "checkpoint", "generators", "preemption",
     "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "topology",
     "watchdog", "zero",
     "rank_topology",

@@ -55,6 +55,7 @@ import torch
 from . import comm as _comm
 from . import outcome as _outcome
 from . import overlap as _overlap
+from . import preemption as _preemption
 from . import shm as _shm
 from . import sparse as _sparse
 from . import watchdog as _watchdog
@@ -132,9 +133,13 @@ class Reducer(BucketLayout, BucketLauncher):
         self.window: _shm.Window | None = None
         self._build(self._assign())
         n = len(self.params)
-        # counts per parameter, then [failed, step number, its square, joined]
-        self._used = torch.zeros(n + 4, dtype=torch.int64)
+        # counts per parameter, then [failed, step number, its square, joined, stop requested]
+        self._used = torch.zeros(n + 5, dtype=torch.int64)
         self._used_flags = self._used.numpy()
+        # Preemption rides on the bookkeeping (mpidp.preemption): how many ranks had
+        # a stop requested when the last one was summed, and how many were summed.
+        self.stop_votes = 0
+        self.bookkeeping_count = 0
         self._step: Step | None = None
         self._steps = 0  # this rank's step number, compared across ranks at every step
         self._forward_counted = False
@@ -381,7 +386,8 @@ class Reducer(BucketLayout, BucketLauncher):
         finally:
             if joined:
                 self._used_flags[:n] = 0
-            self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2, int(joined))
+            self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2, int(joined),
+                                    int(_preemption.requested()))
             with _watchdog.Scope("DDP step {} bookkeeping allreduce", self._steps,
                                  timeout=self.timeout, source=TIMEOUT_SOURCE):
                 used = _comm.iallreduce(self._used, "sum", comm=self.control)
@@ -394,7 +400,8 @@ class Reducer(BucketLayout, BucketLauncher):
         first, self._first_start = self._first_start, None
         reduced, self._step_bytes = self._step_bytes, 0
         collectives, self._step_collectives = self._step_collectives, 0
-        failed_ranks, total, squares, joined_ranks = counts[n:]
+        failed_ranks, total, squares, joined_ranks, self.stop_votes = counts[n:]
+        self.bookkeeping_count += 1
         if failed_ranks or squares * self.world != total * total:
             for bucket in self.buckets:
                 if bucket.solo:

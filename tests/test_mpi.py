@@ -34,6 +34,7 @@ MPI_FILES = [
     ("tests/mpi/check_rendezvous.py", [2]),
     ("tests/mpi/check_frameworks.py", [2]),  # skips without the frameworks extra
     ("tests/mpi/check_horovod.py", [2, 3]),  # with the MNIST example against one process
+    ("tests/mpi/check_preempt.py", [2, 3]),  # the example's launches: tests/test_preemption.py
 ]
 GPU_FILE = "tests/mpi/check_gpu.py"
 

@@ -34,3 +34,57 @@ def test_default_pads_like_torch():
 def test_pad_must_be_a_bool():
     with pytest.raises(TypeError, match="pad must be a bool, got 'no'"):
         mpidp.DistributedSampler(TensorDataset(torch.arange(4)), num_replicas=2, rank=0, pad="no")
+
+
+@pytest.mark.parametrize("n,size", [(10, 3), (7, 2), (24, 4), (13, 1)])
+@pytest.mark.parametrize("drop_last,pad", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_rank_equals_torchs_sampler(n, size, drop_last, pad, shuffle):
+    """global_order() re-derives torch's list: each rank's share is still torch's exactly."""
+    dataset = TensorDataset(torch.arange(n))
+    for rank in range(size):
+        ours = mpidp.DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle,
+                                        seed=5, drop_last=drop_last, pad=pad)
+        ours.set_epoch(2)
+        if pad or drop_last:
+            theirs = torch.utils.data.DistributedSampler(dataset, num_replicas=size, rank=rank,
+                                                         shuffle=shuffle, seed=5,
+                                                         drop_last=drop_last)
+            theirs.set_epoch(2)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+        else:
+            assert list(ours) == ours.global_order()[rank::size]
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 2), (2, 4), (4, 2), (2, 2)])
+def test_resume_at_another_size_keeps_the_global_batches(before, after):
+    """Global batch k holds the same samples at any rank count once resumed from ``start``."""
+    dataset, batch, epoch = TensorDataset(torch.arange(60)), 12, 1  # 12 samples a global batch
+    start = 2 * batch  # two global batches taken before the stop
+
+    def batches(size, start):
+        shares = []
+        for rank in range(size):
+            sampler = mpidp.DistributedSampler(dataset, num_replicas=size, rank=rank, seed=3)
+            sampler.resume_from(epoch, start)
+            sampler.set_epoch(epoch)  # the same epoch keeps the start
+            share = list(sampler)
+            assert len(share) == len(sampler)
+            shares.append([share[k:k + batch // size] for k in range(0, len(share), batch // size)])
+        return [sorted(sum((shares[r][k] for r in range(size)), [])) for k in range(len(shares[0]))]
+
+    uninterrupted = batches(before, 0)
+    assert batches(after, start) == uninterrupted[2:]
+    assert sorted(sum(uninterrupted, [])) == list(range(60))
+
+
+def test_another_epoch_starts_from_its_beginning_and_a_bad_start_is_refused():
+    sampler = mpidp.DistributedSampler(range(20), num_replicas=2, rank=1, seed=3)
+    sampler.resume_from(4, 6)
+    assert len(sampler) == 7
+    sampler.set_epoch(5)
+    assert sampler.start == 0 and len(sampler) == 10
+    with pytest.raises(ValueError, match="start must be a multiple of num_replicas=2"):
+        sampler.resume_from(0, 3)
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
+        sampler.resume_from(-1, 0)

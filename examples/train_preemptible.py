@@ -1,0 +1,100 @@
+"""A training run that survives preemption: stop on a signal, requeue, resume at any size.
+
+    mpiexec -n 2 python examples/train_preemptible.py --checkpoint-dir ckpt --steps 60
+    # kill -USR1 <any rank's pid>: every rank stops at the same step, saves, exits 75
+    mpiexec -n 3 python examples/train_preemptible.py --checkpoint-dir ckpt --steps 60 \\
+        --global-batch 24   # goes on from that step at 3 ranks, same global batches
+
+Rank 0 prints ``step S loss L`` for every step, L the loss of the whole global
+batch in Python's ``repr``, so two runs can be compared line by line. The
+model and the data are small and synthetic; ``--pace`` slows each step down
+so that there is time to send a signal by hand.
+"""
+
+import argparse
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mpidp  # mpidp: MPI starts here, on every rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", required=True)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--global-batch", type=int, default=24,
+                        help="samples per step over all ranks (a multiple of the rank count)")
+    parser.add_argument("--samples", type=int, default=240)
+    parser.add_argument("--zero", action="store_true", help="mpidp.ZeroRedundancyOptimizer")
+    parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep in each step")
+    parser.add_argument("--save-every", type=int, default=None)
+    parser.add_argument("--deadline", type=float, default=20.0)
+    parser.add_argument("--out", help="rank 0 writes the final parameters here")
+    args = parser.parse_args()
+    world = mpidp.size()
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {world} ranks")
+    dtype = torch.float64 if args.float64 else torch.float32
+
+    data = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(args.samples, 16, generator=data, dtype=dtype)
+    targets = (inputs @ torch.randn(16, 1, generator=data, dtype=dtype)).tanh()
+    dataset = TensorDataset(inputs, targets)
+    # mpidp: each rank takes its share of every global batch, in the same global order
+    sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=7, drop_last=True)
+    batch_size = args.global_batch // world
+    # its own generator: iter(loader) draws no number from torch's global one
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                        generator=torch.Generator().manual_seed(0))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(args.dropout),
+                          nn.Linear(32, 1)).to(dtype)
+    ddp = mpidp.DistributedDataParallel(model)  # mpidp: averages gradients over the ranks
+    if args.zero:  # mpidp: each rank keeps a shard of the optimizer state
+        optimizer = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+    else:
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+
+    # mpidp: a signal on any rank stops every rank at one step, saves, and exits 75
+    checkpointer = mpidp.Checkpointer(args.checkpoint_dir, model=ddp, optimizer=optimizer,
+                                      scheduler=scheduler, sampler=sampler,
+                                      batch_size=batch_size, every=args.save_every,
+                                      deadline=args.deadline)
+    start = checkpointer.resume()  # mpidp: the last whole checkpoint, if there is one
+    if mpidp.rank() == 0 and start:
+        print(f"resumed at step {start} on {world} ranks", flush=True)
+
+    epoch = sampler.epoch
+    while checkpointer.steps < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            if args.pace:
+                time.sleep(args.pace)
+            # the loss of the whole global batch, for the printout only
+            global_loss = mpidp.average(loss.detach())
+            if mpidp.rank() == 0:
+                print(f"step {checkpointer.steps + 1} loss {global_loss!r}", flush=True)
+            checkpointer.step()  # mpidp: stops here, on every rank, if a signal came
+            if checkpointer.steps == args.steps:
+                break
+        epoch += 1
+
+    if args.out and mpidp.rank() == 0:
+        torch.save(model.state_dict(), args.out)
+    checkpointer.close()
+
+
+if __name__ == "__main__":
+    main()
