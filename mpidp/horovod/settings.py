@@ -10,7 +10,7 @@
 | ``HOROVOD_ELASTIC``                  | refused (``ValueError``): no elastic training           |
 | the tuning variables in ``_IGNORED`` | a warning at ``hvd.init`` that names them               |
 
-Read once, at ``hvd.init``, through ``mpidp._env``'s rules.
+Read once, at ``hvd.init``, with the spelling rules of ``mpidp.settings``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ wait in, the late rank arrives, and the next kind begins: one launch checks them
 all. Each kind is announced on stdout as ``kind NAME starts`` (rank 0).
 """
 
-import copy
 import os
 import sys
 import time
