@@ -82,7 +82,7 @@ def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named()
     made = cluster()
     check = [sys.executable, str(ROOT / "tests" / "mpi" / "check_cluster_rendezvous.py")]
     cases = {"choice": {}, "iface": {"MPIDP_RDZV_IFACE": "eth0"},
-             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "3"}}
+             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "3", "MPIDP_STORE": "tcp"}}
     with made:
         add_decoy(made)
         runs = {case: made.run(check, ppn=1, timeout=90, env={"CLUSTER_DECOY": DECOY, **env})

@@ -7,13 +7,14 @@ to, ahead of ``eth0`` in interface order: the first address of
 environment:
 
 - no override: ``import mpidp`` exports MASTER_ADDR = n0's address on the link
-  to n1 (not the decoy, not 127.0.0.1) and ``store_address()`` says why;
+  to n1 (not the decoy, not 127.0.0.1) and ``master_address()`` says why;
 - ``MPIDP_RDZV_IFACE=eth0``: the same address, chosen from the variable;
 - in both: gloo and "mpidp" start from ``mpidp.init_process_group`` with none
   of MASTER_ADDR, MASTER_PORT, RANK or WORLD_SIZE set by the launcher, an
   all_reduce crosses both hosts, ``dist.monitored_barrier`` passes over gloo
   and ``mpidp.monitored_barrier`` over "mpidp";
-- ``MPIDP_RDZV_ADDR=<decoy>``: every rank raises ``DistNetworkError`` naming
+- ``MPIDP_RDZV_ADDR=<decoy>`` with ``MPIDP_STORE=tcp`` (the default store travels
+  over MPI and needs no address): every rank raises ``DistNetworkError`` naming
   the address and port tried and the variables that change them; each rank
   prints it, then lets it through, so the job ends as a user's would (mpidp
   aborts it, status 1).
@@ -70,7 +71,7 @@ def check_the_hosts_and_the_trap() -> None:
 
 
 def check_the_address() -> None:
-    host, port, why = rendezvous.store_address()
+    host, port, why = rendezvous.master_address()
     expected = socket.gethostbyname("n0")  # /etc/hosts: n0's address on the bridge
     assert host == expected != DECOY, (host, why)
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (host, str(port))
