@@ -68,6 +68,10 @@ _ANSWER = struct.Struct("<BQ")  # status, body length
 _GRACE_SECONDS = 30.0  # past a parked operation's timeout: rank 0 must have answered by then
 _MAX_SLEEP = 0.005  # longest pause between polls, of the store thread and of a waiting caller
 _SPIN_SECONDS = (0.002, 0.0002)  # polls without pausing after activity: store thread, caller
+# After a second without a request the store thread polls every 25 ms: each poll costs ~0.1 ms
+# of CPU (MPICH's progress engine), 2 % of a core at 5 ms, 0.4 % at 25 ms. The first request
+# after a quiet spell waits up to 25 ms more; the ones right after it do not.
+_IDLE_SECONDS, _IDLE_SLEEP = 1.0, 0.025
 
 # operations
 (_SET, _GET, _ADD, _CAS, _DELETE, _NUM_KEYS, _CHECK, _WAIT, _APPEND, _MULTI_GET,
@@ -265,7 +269,8 @@ class _Service:
                 active, pause = now, 0.0
                 self.wake.clear()
             elif now - active > _SPIN_SECONDS[0]:
-                pause = min(max(pause * 2, 20e-6), _MAX_SLEEP)
+                longest = _MAX_SLEEP if now - active < _IDLE_SECONDS else _IDLE_SLEEP
+                pause = min(max(pause * 2, 20e-6), longest)
                 self.wake.wait(min(pause, max(soonest - now, 0.0)))
 
     def _poll(self, statuses: list) -> bool:

@@ -7,51 +7,16 @@ the job, every TCP port the job's processes listen on.
 """
 
 import os
-import socket
-import sys
 import threading
 
-
-def _address(text: str) -> str:
-    raw = bytes.fromhex(text)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-    return socket.inet_ntop(socket.AF_INET6, words)
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket that process ``pid`` listens on (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                host, port = fields[1].split(":")
-                found.add((_address(host), int(port, 16)))
-    return found
-
+from _ports import listening, outsider
 
 # The MPI library's own listeners (the launcher's PMI port, the fabric's), before mpidp runs:
 # conftest has initialised MPI; nothing of mpidp's has run yet.
 LIBRARY = listening(os.getpid())
 
 import datetime  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -64,7 +29,6 @@ from mpidp.store import MPIStore  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
-ROOT = Path(__file__).resolve().parents[2]
 _count = [0]
 
 
@@ -234,36 +198,6 @@ def test_gloo_monitored_barrier_and_new_group_over_the_mpi_store(barrier, monkey
         dist.destroy_process_group()
 
 
-PROBE = r"""
-import datetime, os, socket, sys, threading
-import torch.distributed as dist
-results = {}
-def client(where):
-    host, port = where.rsplit(":", 1)
-    try:
-        store = dist.TCPStore(host, int(port), None, False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=2))
-        store.set("outsider", "1")
-        results[where] = f"accepted a store client (num_keys {store.num_keys()})"
-    except Exception as error:
-        results[where] = f"refused ({type(error).__name__})"
-threads = [threading.Thread(target=client, args=(w,), daemon=True) for w in sys.argv[1:]]
-for thread in threads:
-    thread.start()
-for thread in threads:
-    thread.join(2)
-for where in sys.argv[1:]:
-    host, port = where.rsplit(":", 1)
-    try:  # 4 KiB of junk too
-        with socket.create_connection((host, int(port)), timeout=1) as sock:
-            sock.sendall(os.urandom(4096))
-    except OSError:
-        pass
-    print(where, results.get(where, "no store answered within 2 s"), flush=True)
-os._exit(0)
-"""
-
-
 def test_no_port_of_mpidps_and_an_outsider_changes_nothing():
     """From a process outside the job: every port the ranks listen on, except the MPI library's."""
     mpidp.init_process_group("mpidp")
@@ -280,14 +214,9 @@ def test_no_port_of_mpidps_and_an_outsider_changes_nothing():
     if RANK == 0 and SIZE == 2:  # the outsider once (at 2 ranks): it takes seconds
         library = sorted(set().union(*(lib for lib, _ in everything)))
         print(f"\nthe MPI library's (not probed): {library}")
-        targets = [f"{host}:{port}" for each in ports for host, port in each]
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PMI", "HYDRA", "MPI", "OMPI", "PMIX"))}
-        done = subprocess.run([sys.executable, "-c", PROBE, *targets], env=env, timeout=120,
-                              capture_output=True, text=True)
-        print(done.stdout)
-        assert "accepted" not in done.stdout, done.stdout
-        assert done.stdout.count("\n") == len(targets), done.stdout + done.stderr
+        tried = outsider([f"{host}:{port}" for each in ports for host, port in each])
+        print(tried)
+        assert "accepted" not in tried, tried
     WORLD.Barrier()
     try:
         tensor = torch.tensor([float(RANK + 1)])
