@@ -167,12 +167,13 @@ def _bound_socket(host: str, listen: bool) -> socket.socket:
     return sock
 
 
-def _start_server(world: MPI.Intracomm, listen: bool = True) -> None:
+def _start_server(world: MPI.Intracomm, listen: bool = True) -> tuple[str, int, str] | None:
     """Rank 0 starts the TCP store's server on its one address; every rank learns where (collective).
 
     Without ``listen`` rank 0 only picks the address and a port that is free
     now, for MASTER_ADDR and MASTER_PORT (the store travels over MPI), and
-    starts nothing.
+    starts nothing. Returns (address, port, why), or None with
+    ``_state.problem`` set, on every rank.
     """
     found = host = None
     try:
@@ -196,10 +197,10 @@ def _start_server(world: MPI.Intracomm, listen: bool = True) -> None:
     if isinstance(found, str):
         what = "start the rendezvous store" if listen else "choose the rendezvous address"
         _state.problem = f"rank 0 could not {what}{found}"
-    else:
-        _state.master = found
-        if listen:
-            _state.address = found
+        return None
+    if listen:
+        _state.address = found
+    return found
 
 
 def _export(world: MPI.Intracomm) -> None:
@@ -233,7 +234,7 @@ def start_up(force: bool = False) -> None:
         if not export:
             return
         if kind in ("tcp", "mpi"):
-            _start_server(world, listen=kind == "tcp")
+            _state.master = _start_server(world, listen=kind == "tcp")
         _export(world)
     if force and _state.problem is not None:
         # python -m mpidp run exists for programs that read MASTER_ADDR: without this

@@ -36,6 +36,10 @@ process (at the first rendezvous).
 
 Below ``MPI_THREAD_MULTIPLE`` the store thread may not call MPI beside the
 program's threads, so ``mpidp.rendezvous`` keeps torch's ``TCPStore`` there.
+The store thread is Python: while a thread of rank 0 holds the GIL for long
+(pure-Python work that calls no C), the other ranks' operations wait for it,
+where ``TCPStore``'s C++ server would not. torch uses the store at start-up,
+in barriers and in ``new_group``, not per step.
 
 Messages carry no pickles: an operation is a code, a slot, a timeout and
 length-prefixed byte strings (``_pack``). A message longer than
@@ -544,7 +548,9 @@ class MPIStore(dist.Store):
     given); past it they raise ``torch.distributed.DistStoreError``. ``add``,
     ``compare_set`` and ``append`` are atomic (rank 0 applies one operation
     at a time); ``compare_set`` follows ``TCPStore``: a missing key is set
-    only when ``expected`` is empty, else ``expected`` is returned.
+    only when ``expected`` is empty, else ``expected`` is returned. Queues
+    (``queue_push``...) and ``list_keys`` are not supported (torch's
+    ``NotImplementedError``), as in ``HashStore``.
 
     Args:
         timeout: the store's timeout (torch's default: 300 s); 0 means none.

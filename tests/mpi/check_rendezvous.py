@@ -267,6 +267,10 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             done = _launch(2, [str(script), "--x"])
             assert done.returncode == 0, done.stderr[-3000:]
             assert done.stdout.count("sum 3 args ['--x']") == 2, done.stdout
+            # asked for: torch's TCPStore, started at import on the one address, for env://
+            tcp = _launch(2, [str(script), "--x"], MPIDP_STORE="tcp")
+            assert tcp.returncode == 0, tcp.stderr[-3000:]
+            assert tcp.stdout.count("sum 3 args ['--x']") == 2, tcp.stdout
             failed = _launch(2, [str(script), "--fail"])
             assert failed.returncode != 0
             assert "[mpidp rank 1/2] RuntimeError: rank 1 gives up" in failed.stderr, \
