@@ -49,7 +49,6 @@ length-prefixed byte strings (``_pack``). A message longer than
 from __future__ import annotations
 
 import atexit
-import collections
 import datetime
 import os
 import struct
@@ -78,8 +77,8 @@ _SPIN_SECONDS = (0.002, 0.0002)  # polls without pausing after activity: store t
 _IDLE_SECONDS, _IDLE_SLEEP = 1.0, 0.025
 
 # operations
-(_SET, _GET, _ADD, _CAS, _DELETE, _NUM_KEYS, _CHECK, _WAIT, _APPEND, _MULTI_GET,
- _MULTI_SET) = range(1, 12)
+(_SET, _MULTI_GET, _WAIT, _ADD, _CAS, _DELETE, _NUM_KEYS, _CHECK, _APPEND,
+ _MULTI_SET) = range(1, 11)
 # answers
 _OK, _TIMEOUT, _ERROR = range(3)
 
@@ -243,8 +242,7 @@ class _Service:
         self.receives = [self._post(i) for i in range(len(self.peers))]
         self.bodies: list = []  # (request, buffer, peer, op, slot, timeout) of long requests
         self.sends: list = []  # (request, buffer) until complete
-        self.outbox = collections.deque()  # answers made by other threads (parked waits)
-        self.wake = threading.Event()
+        self.wake = threading.Event()  # a key came that a parked wait needs
         self.stopping = False
         table.on_park_ready = self.wake.set
         self.thread = threading.Thread(target=self._run, name="mpidp-store", daemon=True)
@@ -268,7 +266,6 @@ class _Service:
             busy = self._poll(statuses)
             now = time.monotonic()
             soonest = self.table.settle(now) if self.table.parked else float("inf")
-            busy = self._flush() or busy
             if busy or self.wake.is_set():
                 active, pause = now, 0.0
                 self.wake.clear()
@@ -315,7 +312,7 @@ class _Service:
                 self._answer(peer, slot, _OK, _pack(fields_of(found)))
         try:
             fields = _unpack(body)
-            if op in (_GET, _MULTI_GET, _WAIT):
+            if op in (_MULTI_GET, _WAIT):
                 keys = [field.decode() for field in fields]
                 self.table.park(keys, timeout, answer if op != _WAIT else
                                 lambda found: answer(found, lambda _: []))
@@ -327,10 +324,7 @@ class _Service:
             self._answer(peer, slot, _ERROR, text.encode())
 
     def _answer(self, peer: int, slot: int, status: int, body: bytes) -> None:
-        if threading.current_thread() is not self.thread:
-            self.outbox.append((peer, slot, status, body))  # a local set released a parked wait
-            self.wake.set()
-            return
+        """Send an answer (the store thread only: ``settle`` runs there too)."""
         head = _ANSWER.pack(status, len(body))
         inline = len(head) + len(body) <= _INLINE_BYTES
         message = head + body if inline else head
@@ -339,13 +333,6 @@ class _Service:
         if not inline:
             self.sends.append((self.comm.Isend([body, MPI.BYTE], peer,
                                                _TAG_SLOTS + 3 * slot + 2), body))
-
-    def _flush(self) -> bool:
-        busy = False
-        while self.outbox:
-            busy = True
-            self._answer(*self.outbox.popleft())
-        return busy
 
     def stop(self) -> None:
         """At exit, before MPI_Finalize: end the thread, cancel its receives, finish its sends."""
@@ -449,7 +436,7 @@ class _Client:
         with self.lock:
             self.free.append(slot)
         if code == _TIMEOUT:
-            raise _timed_out(_keys_of(op, fields), timeout)
+            raise _timed_out([field.decode() for field in fields], timeout)
         if code == _ERROR:
             raise dist.DistStoreError(bytes(reply).decode())
         return _unpack(reply)
@@ -465,10 +452,6 @@ class _Client:
                 pause = min(max(pause * 2, 20e-6), _MAX_SLEEP)
                 time.sleep(pause)
         return True
-
-
-def _keys_of(op: int, fields: list[bytes]) -> list[str]:
-    return [field.decode() for field in fields]
 
 
 # -- the store ---------------------------------------------------------------------------------------
