@@ -69,12 +69,16 @@ _TAG_SLOTS = 16
 _HEAD = struct.Struct("<BIdQ")  # op, slot, timeout in seconds (0: none), body length
 _ANSWER = struct.Struct("<BQ")  # status, body length
 _GRACE_SECONDS = 30.0  # past a parked operation's timeout: rank 0 must have answered by then
-_MAX_SLEEP = 0.005  # longest pause between polls, of the store thread and of a waiting caller
-_SPIN_SECONDS = (0.002, 0.0002)  # polls without pausing after activity: store thread, caller
-# After a second without a request the store thread polls every 25 ms: each poll costs ~0.1 ms
-# of CPU (MPICH's progress engine), 2 % of a core at 5 ms, 0.4 % at 25 ms. The first request
-# after a quiet spell waits up to 25 ms more; the ones right after it do not.
-_IDLE_SECONDS, _IDLE_SLEEP = 1.0, 0.025
+# Polling: a poll costs ~0.1 ms of CPU (MPICH's progress engine). After a request the store
+# thread polls without pausing for 2 ms, then pauses up to 1 ms between polls; after a second
+# without one, up to 20 ms (0.5 % of a core), so the first request after a quiet spell waits up
+# to 20 ms more, unless rank 0 used the store itself just before, and the ones right after it
+# do not. A caller polls for its answer without
+# pausing for 0.2 ms, then pauses up to 1 ms. With 5 ms pauses gloo's start-up at 2 ranks took
+# 42 ms against the TCP store's 31 ms (bench/store_startup.py).
+_SPIN_SECONDS = (0.002, 0.0002)  # store thread, caller
+_MAX_SLEEP = 0.001
+_IDLE_SECONDS, _IDLE_SLEEP = 1.0, 0.020
 
 # operations
 (_SET, _MULTI_GET, _WAIT, _ADD, _CAS, _DELETE, _NUM_KEYS, _CHECK, _APPEND,
@@ -553,6 +557,10 @@ class MPIStore(dist.Store):
     def _here(self) -> _Table | None:
         """Rank 0's table, or None on the other ranks (which ask rank 0)."""
         runtime.require_mpi()  # never in a forked child: its copy of the table is stale
+        if self._table is not None and _shared.service is not None:
+            # torch uses the store on every rank at once (start-up, new_group, barriers):
+            # rank 0's own use wakes the store thread from its idle pauses for the others
+            _shared.service.wake.set()
         return self._table
 
     def _call(self, op: int, fields: list[bytes], what: str, timeout: float | None = None) -> list[bytes]:
