@@ -19,7 +19,7 @@ raises ``RuntimeError``.
 # import may initialise MPI (not in a multiprocessing child).
 from . import runtime  # isort: skip
 from . import comm, cuda, errors, hooks, kernels, objects, optimizer, process_group, topology, watchdog, zero
-from . import rendezvous
+from . import rendezvous, store
 from . import checkpoint, generators, preemption
 from .checkpoint import Checkpointer
 from .ddp import DDP, DistributedDataParallel
@@ -45,7 +45,7 @@ __all__ = [
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
     "checkpoint", "generators", "preemption",
-    "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "topology",
+    "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "store", "topology",
     "watchdog", "zero",
     "rank_topology",
     "__version__",
@@ -56,4 +56,4 @@ if not runtime.in_multiprocessing_child():
     watchdog.start()  # collective: its communicator; then the stall watchdog's thread
     topology._apply_default_threads()  # collective over the node: each rank's share of cores
     cuda._start_up()  # pins this rank's GPU and decides, on every rank alike, how MPI sees it
-    rendezvous.start_up()  # collective: the store's server on rank 0; RANK, MASTER_ADDR, ... exported
+    rendezvous.start_up()  # collective: the MPI store's communicator (a TCP server only if asked); RANK, MASTER_ADDR, ... exported

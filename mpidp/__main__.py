@@ -58,10 +58,12 @@ def threads_lines(ranks: list, reasons: list[str]) -> list[str]:
 
 
 def rendezvous_status() -> str:
-    """The default backend of mpidp.init_process_group() and where its store listens."""
-    where = rendezvous.store_address()
-    store = (f"store {where[0]}:{where[1]} ({where[2]})" if where else
-             "store started at the first rendezvous" if mpidp.size() == 1 else "no store started")
+    """The default backend of mpidp.init_process_group(), its store and where that listens."""
+    where, kind = rendezvous.store_address(), rendezvous.store_kind()
+    store = ("store over MPI (no port)" if kind == "mpi" else
+             "process-local store" if kind == "local" else
+             f"TCP store on {where[0]}:{where[1]} ({where[2]})" if where else
+             "TCP store started at the first rendezvous")
     return f"{rendezvous.default_backend()} by default (mpidp.init_process_group()); {store}"
 
 

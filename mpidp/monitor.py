@@ -71,7 +71,7 @@ def run(group, store, timeout=None, wait_all_ranks: bool = False) -> None:
     """Run gloo's monitored barrier over ``group``'s ``store`` (see the module)."""
     if store is None or isinstance(_innermost(store), dist.HashStore):
         raise RuntimeError("monitored_barrier needs a store shared by every rank: start the "
-                           "group with mpidp's rendezvous store (store='tcp', the default)")
+                           "group with mpidp's rendezvous store (store='mpi', the default, or 'tcp')")
     seconds = _seconds(timeout, group)
     count = getattr(group, "_monitor_count", 0)
     group._monitor_count = count + 1

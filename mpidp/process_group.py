@@ -9,9 +9,9 @@ Importing mpidp registers the backend ``"mpidp"`` and the rendezvous scheme
 and every ``torch.distributed`` program (torch's DistributedDataParallel,
 FSDP2 ``fully_shard``, ZeroRedundancyOptimizer, DTensor and DeviceMesh, the
 distributed checkpoint) talks MPI through ``mpidp.comm``. Rank and size come
-from ``MPI.COMM_WORLD``; the store is mpidp's rendezvous store, a TCPStore
-that MPI bootstrapped (``mpidp.rendezvous``; ``store="local"``: a process-local
-``HashStore``), so ``TORCH_DIST_INIT_BARRIER=1`` and ``monitored_barrier`` (a
+from ``MPI.COMM_WORLD``; the store is mpidp's rendezvous store, over MPI by
+default (``mpidp.store``, ``mpidp.rendezvous``; ``store="local"``: a
+process-local ``HashStore``), so ``TORCH_DIST_INIT_BARRIER=1`` and ``monitored_barrier`` (a
 method here; ``mpidp.monitored_barrier`` calls it, as torch's own function is
 for gloo alone) work. ``new_group`` builds an MPI sub-communicator of its global
 ranks (``MPI_Comm_create_group``, collective over the members only).

@@ -6,31 +6,42 @@ configured by hand::
     mpidp.init_process_group()            # "mpidp"; "cpu:gloo,cuda:nccl" with CUDA and NCCL
     mpidp.init_process_group("gloo")      # or "nccl", "mpidp", "cpu:gloo,cuda:nccl", ...
 
-**The store.** torch's own ``TCPStore``: at ``import mpidp`` (with more than one
-rank), rank 0 starts its server on a port the operating system picks (port 0:
-nothing to choose, no race with another job) and MPI broadcasts the address
-and port. The address is one of rank 0's host that the other nodes reach
-(``mpidp.address``; ``127.0.0.1`` when every rank shares rank 0's host),
-``MPIDP_RDZV_ADDR`` or ``MPIDP_RDZV_IFACE`` override it. The other ranks
-connect at the first rendezvous, within ``MPIDP_RDZV_TIMEOUT`` seconds; a rank
-that cannot raises, on every rank, an error that names the address, the port
-and the variables that change them. Each rendezvous gets a fresh key prefix,
-so a process group started after another (gloo, then "mpidp") never reads the
-first one's keys. ``store="local"`` (or ``MPIDP_STORE=local``) keeps the
-process-local ``HashStore`` of earlier versions instead: no port at all, for
-the ``"mpidp"`` backend alone, without the features that exchange data through
-the store (``monitored_barrier``, ``TORCH_DIST_INIT_BARRIER=1``, gloo or NCCL).
+**The store.** By default ``mpidp.store.MPIStore``: rank 0 holds the keys
+and the other ranks' operations travel over MPI, on a communicator of the
+store's own, so only processes of the job reach it and no port is opened
+(docs/security.md). Rank 0 answers from a thread of its own, started at the
+first rendezvous; that needs ``MPI_THREAD_MULTIPLE``, so below it the default
+is the TCP store. ``store="tcp"`` (or ``MPIDP_STORE=tcp``) keeps torch's
+``TCPStore`` instead, for processes outside MPI that must reach the store (a
+framework's launcher agent): at ``import mpidp`` rank 0 starts its server,
+bound to one address of rank 0's host that the other nodes reach (never to
+every interface), on a port the operating system picks, and MPI broadcasts
+both. The address comes from ``mpidp.address`` (``127.0.0.1`` when every rank
+shares rank 0's host); ``MPIDP_RDZV_ADDR`` or ``MPIDP_RDZV_IFACE`` override it.
+The other ranks connect at the first rendezvous, within ``MPIDP_RDZV_TIMEOUT``
+seconds; a rank that cannot raises, on every rank, an error that names the
+address, the port and the variables that change them. Each rendezvous gets a
+fresh key prefix, so a process group started after another (gloo, then
+"mpidp") never reads the first one's keys. ``store="local"`` (or
+``MPIDP_STORE=local``) keeps the process-local ``HashStore`` of earlier
+versions: for the ``"mpidp"`` backend alone, without the features that
+exchange data through the store (``monitored_barrier``,
+``TORCH_DIST_INIT_BARRIER=1``, gloo or NCCL).
 
 **The variables.** At import, mpidp exports RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, LOCAL_SIZE, GROUP_RANK, NODE_RANK, GROUP_WORLD_SIZE,
 ROLE_RANK, ROLE_WORLD_SIZE (from MPI: the local ranks are those that share
-memory), MASTER_ADDR and MASTER_PORT (the store's), so code written for
-``torchrun`` runs under ``mpiexec``. Its ``env://`` rendezvous (torch's
-default) then connects to mpidp's store instead of starting a second server on
-rank 0: mpidp replaces torch's ``env://`` handler with one that does so while
-MASTER_ADDR and MASTER_PORT are mpidp's, and hands anything else to torch's.
-A user's own MASTER_ADDR or MASTER_PORT is left alone, and so is ``env://``.
-``MPIDP_EXPORT_ENV=0`` exports nothing and starts no server at import.
+memory), MASTER_ADDR and MASTER_PORT, so code written for ``torchrun`` runs
+under ``mpiexec``. MASTER_ADDR is the address chosen above; MASTER_PORT is the
+TCP server's port, or, with the store over MPI, a port that was free on that
+address at import (nothing listens there: a program that starts its own
+``TCPStore`` on it, as under ``torchrun``, can). torch's ``env://``
+rendezvous (its default) then uses mpidp's store instead of starting a
+server on rank 0: mpidp replaces torch's ``env://`` handler with one that does
+so while MASTER_ADDR and MASTER_PORT are mpidp's, and hands anything else to
+torch's. A user's own MASTER_ADDR or MASTER_PORT is left alone, and so is
+``env://``. ``MPIDP_EXPORT_ENV=0`` exports nothing and starts no server at
+import.
 """
 
 from __future__ import annotations
@@ -46,14 +57,14 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import settings, address as _address, agreement, runtime
+from . import settings, address as _address, agreement, runtime, store as _store
 
 __all__ = ["default_backend", "init_process_group", "handler", "start_up", "store_address",
-           "exported"]
+           "exported", "store_kind"]
 
 SCHEME = "mpidp"
 _MPIDP = "mpidp"
-_STORES = ("tcp", "local")
+_STORES = ("mpi", "tcp", "local")
 _OVERRIDE = "set MPIDP_RDZV_ADDR to an address of rank 0's host that every rank reaches, or " \
             "MPIDP_RDZV_IFACE to its interface (e.g. ib0); MPIDP_RDZV_TIMEOUT is the time allowed"
 
@@ -63,10 +74,13 @@ _torch_env_handler = _torch_rdzv._rendezvous_handlers["env"]
 
 
 class _State:
-    server = None     # rank 0: the TCPStore that holds the server
+    server = None     # rank 0: the TCPStore that holds the server (MPIDP_STORE=tcp)
+    listener = None   # rank 0: its socket, bound to the one address (the server serves on it)
     address = None    # (host, port, why) of the server, on every rank; None: no server
-    problem = None    # why there is no server (the same on every rank)
-    client = None     # this rank's connection, made at the first rendezvous
+    master = None     # (host, port, why) exported as MASTER_ADDR/PORT; None: none exported
+    problem = None    # why there is no server or address (the same on every rank)
+    client = None     # this rank's connection to the TCP server, made at the first rendezvous
+    mpi_store = None  # the MPIStore under every rendezvous over MPI (MPIDP_STORE=mpi)
     count = 0         # rendezvous so far: each gets its own key prefix
     exported: dict[str, str] = {}
 
@@ -92,8 +106,22 @@ def exported() -> dict[str, str]:
 
 
 def store_address() -> tuple[str, int, str] | None:
-    """(address, port, why that address) of the rendezvous store's server; None if none runs."""
+    """(address, port, why that address) of the TCP store's server; None if none runs.
+
+    With the default store (over MPI) no server runs: ``master_address()``
+    is then what MASTER_ADDR and MASTER_PORT say.
+    """
     return _state.address
+
+
+def master_address() -> tuple[str, int, str] | None:
+    """(MASTER_ADDR, MASTER_PORT, why that address) as exported at import; None if not."""
+    return _state.master
+
+
+def store_kind() -> str:
+    """The store ``mpidp.init_process_group`` uses by default: "mpi", "tcp" or "local"."""
+    return _store_kind(None)
 
 
 # -- start-up: the server and the variables ---------------------------------------------------
@@ -125,24 +153,54 @@ def _choose(world: MPI.Intracomm) -> tuple[str, str]:
     return _address.choose(_address.interfaces(), peers)
 
 
-def _start_server(world: MPI.Intracomm) -> None:
-    """Rank 0 starts the store's server on a port the OS picks; every rank learns where (collective)."""
+def _bound_socket(host: str, listen: bool) -> socket.socket:
+    """A TCP socket bound to ``host`` alone (never every interface) on a port the OS picks."""
+    family, kind, proto, _, where = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(where)
+        if listen:
+            sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _start_server(world: MPI.Intracomm, listen: bool = True) -> tuple[str, int, str] | None:
+    """Rank 0 starts the TCP store's server on its one address; every rank learns where (collective).
+
+    Without ``listen`` rank 0 only picks the address and a port that is free
+    now, for MASTER_ADDR and MASTER_PORT (the store travels over MPI), and
+    starts nothing. Returns (address, port, why), or None with
+    ``_state.problem`` set, on every rank.
+    """
     found = host = None
     try:
         host, why = _choose(world)
         if world.Get_rank() == 0:
-            _state.server = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
-                                          multi_tenant=True,
-                                          timeout=datetime.timedelta(seconds=_connect_seconds()))
-            found = (host, _state.server.port, why)
+            sock = _bound_socket(host, listen)
+            port = sock.getsockname()[1]
+            if listen:  # torch's server takes the socket: it serves on this address alone
+                _state.server = dist.TCPStore(
+                    host, port, None, True, wait_for_workers=False, multi_tenant=True,
+                    master_listen_fd=sock.fileno(),
+                    timeout=datetime.timedelta(seconds=_connect_seconds()))
+                _state.listener = sock
+            else:
+                sock.close()
+            found = (host, port, why)
     except Exception as error:  # noqa: BLE001  every rank must hear of it
         where = f" on {host} (chosen from {why})" if host else ""
         found = f"{where}: {type(error).__name__}: {error}"
     found = world.bcast(found, root=0)
     if isinstance(found, str):
-        _state.problem = f"rank 0 could not start the rendezvous store{found}"
-    else:
+        what = "start the rendezvous store" if listen else "choose the rendezvous address"
+        _state.problem = f"rank 0 could not {what}{found}"
+        return None
+    if listen:
         _state.address = found
+    return found
 
 
 def _export(world: MPI.Intracomm) -> None:
@@ -152,29 +210,31 @@ def _export(world: MPI.Intracomm) -> None:
     values = dict(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local, LOCAL_WORLD_SIZE=local_size,
                   LOCAL_SIZE=local_size, GROUP_RANK=str(node), NODE_RANK=str(node),
                   GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=rank, ROLE_WORLD_SIZE=size)
-    if _state.address is not None:
-        values.update(MASTER_ADDR=_state.address[0], MASTER_PORT=str(_state.address[1]))
+    if _state.master is not None:
+        values.update(MASTER_ADDR=_state.master[0], MASTER_PORT=str(_state.master[1]))
     os.environ.update(values)
     _state.exported = values
-    if _state.address is not None:  # env:// now means mpidp's store
+    if _state.master is not None:  # env:// now means mpidp's store
         _torch_rdzv._rendezvous_handlers["env"] = _env_handler
 
 
 def start_up(force: bool = False) -> None:
-    """Start the store's server and export the variables (collective; at ``import mpidp``).
+    """Make the MPI store's communicator and export the variables (collective; at ``import mpidp``).
 
     Does nothing with one rank unless ``force`` (``python -m mpidp run`` forces
-    it), under ``MPIDP_EXPORT_ENV=0``, or when it already ran. The server is
-    not started under ``MPIDP_STORE=local`` or when the user set MASTER_ADDR or
-    MASTER_PORT (both are then left as they are).
+    it), or when it already ran; exports nothing under ``MPIDP_EXPORT_ENV=0``.
+    Under ``MPIDP_STORE=tcp`` it starts the TCP store's server on rank 0. When
+    the user set MASTER_ADDR or MASTER_PORT, both are left as they are (and no
+    server starts).
     """
     world = MPI.COMM_WORLD
     if not _state.exported and not (world.Get_size() == 1 and not force):
-        export, serve = _agreed_start(world)
+        export, kind = _agreed_start(world)
+        _store.start(world)  # collective: the MPI store's communicator, whatever the store
         if not export:
             return
-        if serve:
-            _start_server(world)
+        if kind in ("tcp", "mpi"):
+            _state.master = _start_server(world, listen=kind == "tcp")
         _export(world)
     if force and _state.problem is not None:
         # python -m mpidp run exists for programs that read MASTER_ADDR: without this
@@ -183,8 +243,9 @@ def start_up(force: bool = False) -> None:
         raise dist.DistNetworkError(f"mpidp rendezvous: {_state.problem}; {_OVERRIDE}")
 
 
-def _agreed_start(world: MPI.Intracomm) -> tuple[bool, bool]:
-    """(export the variables, start the server), the same on every rank, or the same error.
+def _agreed_start(world: MPI.Intracomm) -> tuple[bool, str | None]:
+    """(export the variables, the store to prepare: "tcp", "mpi" or None), the same on every
+    rank, or the same error.
 
     Each rank reads MPIDP_EXPORT_ENV, MPIDP_STORE and whether the user set
     MASTER_ADDR or MASTER_PORT; what follows from them is collective (the
@@ -214,7 +275,7 @@ def _agreed_start(world: MPI.Intracomm) -> tuple[bool, bool]:
             f"rendezvous store, which every rank takes part in); got "
             f"{agreement.by_rank([setting for setting, _ in every])}")
     user_master = settings.given("MASTER_ADDR") or settings.given("MASTER_PORT")
-    return export, export and not user_master and kind == "tcp"
+    return export, (kind if export and not user_master else None)
 
 
 # -- the rendezvous -----------------------------------------------------------------------------
@@ -224,10 +285,19 @@ def _connect_seconds() -> float:
 
 
 def _store_kind(given: str | None) -> str:
-    kind = (given or settings.get("MPIDP_STORE")).lower()
+    """The store asked for, else ``MPIDP_STORE``, else "mpi" (needs MPI_THREAD_MULTIPLE, else "tcp")."""
+    default = "mpi" if runtime.thread_level() >= MPI.THREAD_MULTIPLE else "tcp"
+    kind = (given or settings.get("MPIDP_STORE") or default).lower()
     if kind not in _STORES:
         raise ValueError(f"store must be one of {', '.join(_STORES)}, got {given!r}")
     return kind
+
+
+def _mpi_store() -> dist.Store:
+    """The store over MPI that every rendezvous shares (rank 0's thread starts with it)."""
+    if _state.mpi_store is None:
+        _state.mpi_store = _store.MPIStore(datetime.timedelta(seconds=_connect_seconds()))
+    return _state.mpi_store
 
 
 def _reach(host: str, port: int, seconds: float) -> str | None:
@@ -244,7 +314,7 @@ def _reach(host: str, port: int, seconds: float) -> str | None:
 
 
 def _shared_store() -> dist.Store:
-    """This rank's connection to the store's server (collective at the first call)."""
+    """This rank's connection to the TCP store's server (collective at the first call)."""
     if _state.client is not None:
         return _state.client
     world = MPI.COMM_WORLD
@@ -283,13 +353,15 @@ def _ranks(query: dict) -> tuple[int, int]:
 
 
 def handler(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs):
-    """torch's rendezvous handler for ``mpidp://[?store=tcp|local]``: MPI's ranks, mpidp's store."""
+    """torch's rendezvous handler for ``mpidp://[?store=mpi|tcp|local]``: MPI's ranks, mpidp's store."""
     query = {key: values[-1] for key, values in parse_qs(urlparse(url).query).items()}
     rank, size = _ranks(query)
-    if _store_kind(query.get("store")) == "local":
+    kind = _store_kind(query.get("store"))
+    if kind == "local":
         store = dist.HashStore()
     else:
-        store = dist.PrefixStore(f"mpidp/{_state.count}", _shared_store())
+        shared = _mpi_store() if kind == "mpi" else _shared_store()
+        store = dist.PrefixStore(f"mpidp/{_state.count}", shared)
         _state.count += 1
     if timeout is not None:
         store.set_timeout(timeout)
@@ -326,7 +398,11 @@ def _init_problem(backend: str, store, kwargs: dict) -> str | None:
                     f"e.g. 'cpu:gloo,cuda:nccl'")
         if kind == "local" and _backends(backend) != {_MPIDP}:
             return (f"store='local' works for the 'mpidp' backend alone (each rank's store is "
-                    f"its own), got backend {backend!r}; use store='tcp'")
+                    f"its own), got backend {backend!r}; use store='mpi'")
+        if kind == "mpi" and runtime.thread_level() < MPI.THREAD_MULTIPLE:
+            return (f"store='mpi' needs MPI_THREAD_MULTIPLE (rank 0 serves it from a thread), "
+                    f"but MPI granted {runtime.thread_level_name(runtime.thread_level())}; "
+                    f"use store='tcp'")
         method = kwargs.get("init_method")
         if store is not None and method is not None and method != f"{SCHEME}://?store={kind}":
             return f"give store= or init_method=, not both (got {method!r})"
@@ -376,9 +452,12 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
         backend: ``"mpidp"``, ``"gloo"``, ``"nccl"`` or a device map such as
             ``"cpu:gloo,cuda:nccl"`` (not one with "mpidp" and another backend,
             see ``default_backend``); None: ``default_backend()``.
-        store: ``"tcp"`` (the shared TCPStore, default; ``MPIDP_STORE`` sets the
-            default) or ``"local"`` (a process-local HashStore: "mpidp" only);
-            a torch ``Store`` is passed on to torch as it is.
+        store: ``"mpi"`` (``mpidp.store.MPIStore``: rank 0 holds the keys,
+            they travel over MPI, no port; the default), ``"tcp"`` (torch's
+            TCPStore on rank 0, bound to the rendezvous address) or ``"local"``
+            (a process-local HashStore: "mpidp" only); ``MPIDP_STORE`` sets
+            the default, which is "tcp" below MPI_THREAD_MULTIPLE. A torch
+            ``Store`` is passed on to torch as it is.
         **kwargs: passed on (``timeout``, ``device_id``, ``pg_options``, ...);
             ``rank`` and ``world_size`` may be given and must equal MPI's.
     """

@@ -28,9 +28,9 @@ tensor on it does.
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
+import secrets
 
 import torch
 from mpi4py import MPI
@@ -113,39 +113,28 @@ class Node:
     def allocate(self, nbytes: int) -> "Window | None":
         """A segment of ``nbytes`` per local rank, all in one shared mapping (collective).
 
-        Local rank 0 creates a file in /dev/shm; every local rank maps it; once
-        all have, the file is unlinked, so the memory goes when the last
-        mapping does (no explicit free, nothing left behind by a crash, and a
-        tensor that outlives the DDP keeps its memory). None on every rank if
-        any rank could not map it.
+        Local rank 0 creates a file in /dev/shm (``_create``: a random name,
+        created exclusively, owner-only) and maps it; the other local ranks map
+        it after checking it is that very file; once all have, the file is
+        unlinked, so the memory goes when the last mapping does (no explicit
+        free, nothing left behind by a crash, and a tensor that outlives the
+        DDP keeps its memory). None on every rank if any rank could not map it.
         """
         seg = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         size = seg * self.local_size
-        name = f"/dev/shm/mpidp-{os.getpid()}-{next(_SERIAL)}" if self.local_rank == 0 else None
-        name = _watchdog.watched("shared-memory window name (broadcast)", self.node.bcast,
-                                 name, root=0)
+        name = identity = mapping = None
         if self.local_rank == 0:
-            try:
-                fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    os.ftruncate(fd, size)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass  # the others fail to open it, and every rank learns below
-        self.node.Barrier()  # created (or not) before anyone opens it
-        mapping = None
-        try:
-            fd = os.open(name, os.O_RDWR)
-            try:
-                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-        except (OSError, ValueError):
-            mapping = None
-        ok = self.cross.allreduce(self.node.allreduce(int(mapping is not None), op=MPI.MIN),
-                                  op=MPI.MIN)
-        if self.local_rank == 0:
+            name, identity, mapping = _create(size)
+        # after the creation: the others open only the very file local rank 0 made
+        name, identity = _watchdog.watched("shared-memory window name (broadcast)", self.node.bcast,
+                                           (name, identity), root=0)
+        if self.local_rank != 0 and identity is not None:
+            mapping = _open(name, size, identity)
+        mapped = _watchdog.watched("shared-memory window check (allreduce)", self.node.allreduce,
+                                   int(mapping is not None), op=MPI.MIN)
+        ok = _watchdog.watched("shared-memory window check (allreduce)", self.cross.allreduce,
+                               mapped, op=MPI.MIN)
+        if self.local_rank == 0 and name is not None:
             try:
                 os.unlink(name)  # every local rank has mapped it or given up: the name may go
             except OSError:
@@ -160,7 +149,49 @@ class Node:
         _communicators.free(self.cross)
 
 
-_SERIAL = itertools.count()
+_OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _create(size: int) -> tuple[str | None, tuple | None, mmap.mmap | None]:
+    """Local rank 0: a new file in /dev/shm, mapped: (name, (device, inode), mapping), or Nones.
+
+    The name is unpredictable (128 random bits) and the file created
+    exclusively, readable and writable by this user alone: another user of the
+    node can neither guess it nor hand the ranks a file of their own, which
+    would let them read and write the gradients.
+    """
+    name = f"/dev/shm/mpidp-{secrets.token_hex(16)}"
+    try:
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    except OSError:
+        return None, None, None
+    try:
+        os.ftruncate(fd, size)
+        found = os.fstat(fd)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return name, (found.st_dev, found.st_ino), mapping
+    except (OSError, ValueError):
+        os.unlink(name)
+        return None, None, None
+    finally:
+        os.close(fd)
+
+
+def _open(name: str, size: int, identity: tuple) -> mmap.mmap | None:
+    """The other local ranks: map ``name`` if it is still local rank 0's file, else None."""
+    try:
+        fd = os.open(name, _OPEN_FLAGS)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(fd)
+        if (found.st_dev, found.st_ino) != identity or found.st_uid != os.getuid():
+            return None
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 class Window:

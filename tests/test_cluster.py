@@ -82,7 +82,7 @@ def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named()
     made = cluster()
     check = [sys.executable, str(ROOT / "tests" / "mpi" / "check_cluster_rendezvous.py")]
     cases = {"choice": {}, "iface": {"MPIDP_RDZV_IFACE": "eth0"},
-             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "3"}}
+             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "3", "MPIDP_STORE": "tcp"}}
     with made:
         add_decoy(made)
         runs = {case: made.run(check, ppn=1, timeout=90, env={"CLUSTER_DECOY": DECOY, **env})
@@ -99,6 +99,9 @@ def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named()
         assert found.groups() == (n0, why)
         for backend in ("gloo", "mpidp"):
             assert f"RDZV backend {backend} all_reduce=3 monitored_barrier=passed" in output
+        assert "RDZV outsider accepted none; mpidp ports none" in output
+        print(f"{case}: {re.search(r'^RDZV outsider on n1 .*$', output, re.M)[0]}")
+        assert "hostname of the client socket cannot be retrieved" not in output  # no TCPStore
         assert "RDZV done" in output
     failed = runs["decoy"]
     errors = re.findall(r"^RDZV error rank (\d+): (\w+): (.*)$", failed.output, re.M)

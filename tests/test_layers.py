@@ -15,15 +15,15 @@ PACKAGE = ROOT / "mpidp"
 
 # Each layer may import its own and the layers below it, never one above.
 LAYERS = [
-    ("base", ["settings", "errors", "_args", "communicators", "address", "buckets", "step", "monitor",
-              "generators",
-              "comm.dtypes", "zero.elementwise", "horovod.timeline", "horovod.compression"]),
+    ("base", ["settings", "errors", "_args", "communicators", "address", "buckets", "step",
+              "monitor", "generators", "comm.dtypes", "zero.elementwise", "horovod.timeline",
+              "horovod.compression", "store_server"]),
     ("runtime", ["runtime", "topology", "cuda", "stall_report", "watchdog", "sampler"]),
     ("communication", ["comm", "comm.*", "agreement", "objects", "optimizer", "shm", "sparse",
-                       "layout", "outcome", "replica", "operands", "rendezvous",
+                       "layout", "outcome", "replica", "operands", "store", "rendezvous",
                        "preemption"]),
-    ("ddp", ["overlap", "launcher", "hook_basics", "hooks", "powersgd", "comm_hook", "reducer", "sharded", "ddp_options",
-             "join", "syncbn", "ddp"]),
+    ("ddp", ["overlap", "launcher", "hook_basics", "hooks", "powersgd", "comm_hook", "reducer",
+             "sharded", "ddp_options", "join", "syncbn", "ddp"]),
     ("backend", ["chunks", "progress", "work", "operations", "process_group"]),
     ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint"]),
     ("package", ["", "__main__"]),

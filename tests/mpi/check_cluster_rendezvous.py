@@ -7,13 +7,18 @@ to, ahead of ``eth0`` in interface order: the first address of
 environment:
 
 - no override: ``import mpidp`` exports MASTER_ADDR = n0's address on the link
-  to n1 (not the decoy, not 127.0.0.1) and ``store_address()`` says why;
+  to n1 (not the decoy, not 127.0.0.1) and ``master_address()`` says why;
 - ``MPIDP_RDZV_IFACE=eth0``: the same address, chosen from the variable;
+- in both: mpidp's store travels over MPI and opens no port on either host; a
+  process outside the job on n1 tries every port rank 0's process listens on
+  but the MPI library's (gloo's, once gloo runs) with torch's store client and
+  junk: none answers as a store, and the job's sums stay right;
 - in both: gloo and "mpidp" start from ``mpidp.init_process_group`` with none
   of MASTER_ADDR, MASTER_PORT, RANK or WORLD_SIZE set by the launcher, an
   all_reduce crosses both hosts, ``dist.monitored_barrier`` passes over gloo
   and ``mpidp.monitored_barrier`` over "mpidp";
-- ``MPIDP_RDZV_ADDR=<decoy>``: every rank raises ``DistNetworkError`` naming
+- ``MPIDP_RDZV_ADDR=<decoy>`` with ``MPIDP_STORE=tcp`` (the default store travels
+  over MPI and needs no address): every rank raises ``DistNetworkError`` naming
   the address and port tried and the variables that change them; each rank
   prints it, then lets it through, so the job ends as a user's would (mpidp
   aborts it, status 1).
@@ -27,6 +32,12 @@ import os
 GIVEN = sorted(name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
                if name in os.environ)  # before mpidp exports them
 
+from mpi4py import MPI  # noqa: E402  (initialises MPI: its own ports open here)
+
+from _ports import listening, outsider  # noqa: E402
+
+LIBRARY = listening(os.getpid())  # the MPI library's ports, before mpidp runs
+
 import datetime  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -34,7 +45,6 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 import mpidp  # noqa: E402
 from mpidp import rendezvous  # noqa: E402
@@ -70,7 +80,7 @@ def check_the_hosts_and_the_trap() -> None:
 
 
 def check_the_address() -> None:
-    host, port, why = rendezvous.store_address()
+    host, port, why = rendezvous.master_address()
     expected = socket.gethostbyname("n0")  # /etc/hosts: n0's address on the bridge
     assert host == expected != DECOY, (host, why)
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (host, str(port))
@@ -93,6 +103,33 @@ def check_backend(backend: str) -> None:
         else:
             mpidp.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         say(f"backend {backend} all_reduce={tensor.item():g} monitored_barrier=passed")
+    finally:
+        dist.destroy_process_group()
+
+
+def check_an_outsider_on_the_other_node() -> None:
+    mpidp.init_process_group("mpidp", timeout=TIMEOUT)
+    dist.distributed_c10d._get_default_store().set(f"in/{RANK}", "1")
+    ours = listening(os.getpid()) - LIBRARY
+    assert ours == set(), f"rank {RANK}: mpidp listens on {sorted(ours)}"
+    dist.destroy_process_group()
+    mpidp.init_process_group("gloo", timeout=TIMEOUT)
+    try:
+        host = socket.gethostbyname("n0")
+        targets = sorted(f"{host if address in ('0.0.0.0', '::') else address}:{port}"
+                         for address, port in listening(os.getpid()) - LIBRARY)
+        targets = COMM.bcast(targets if RANK == 0 else None, root=0)  # rank 0's, from n1
+        if RANK == 1:
+            tried = outsider(targets)
+            assert "accepted" not in tried, tried
+            write(f"RDZV outsider on n1 tried {len(targets)} ports of rank 0 (gloo's): "
+                  f"{'; '.join(tried.splitlines())}")
+        COMM.Barrier()
+        tensor = torch.tensor([float(RANK + 1)])
+        dist.all_reduce(tensor)
+        assert tensor.item() == SIZE * (SIZE + 1) / 2, tensor
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+        say(f"outsider accepted none; mpidp ports none; library ports {sorted(LIBRARY)}")
     finally:
         dist.destroy_process_group()
 
@@ -122,6 +159,7 @@ def main() -> None:
     check_the_address()
     for backend in ("gloo", "mpidp"):
         check_backend(backend)
+    check_an_outsider_on_the_other_node()
     say("done")
 
 

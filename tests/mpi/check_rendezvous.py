@@ -1,8 +1,9 @@
 """Every torch.distributed backend started from MPI: the variables, the shared store, its errors.
 
 Runs under mpiexec at 2 and 3 ranks with none of MASTER_ADDR, MASTER_PORT,
-RANK or WORLD_SIZE set by the launcher: mpidp exports them at import and
-starts the rendezvous store (mpidp.rendezvous). The two-host cases (a decoy
+RANK or WORLD_SIZE set by the launcher: mpidp exports them at import; the
+store travels over MPI (mpidp.store), or is torch's TCPStore when asked
+(mpidp.rendezvous). The store's own tests: tests/mpi/check_store.py. The two-host cases (a decoy
 address the other host cannot reach) need the network-namespace cluster
 harness: tests/mpi/check_cluster_rendezvous.py, run by tests/test_cluster.py.
 """
@@ -56,15 +57,17 @@ def test_the_usual_variables_come_from_mpi():
                                                             str(mpidp.local_size()))
     assert env["GROUP_RANK"] == env["NODE_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
     assert env["MASTER_ADDR"] == "127.0.0.1"  # every rank on one host
-    host, port, why = rendezvous.store_address()
+    host, port, why = rendezvous.master_address()
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (host, str(port)) and "host" in why
     assert WORLD.allgather(env["MASTER_PORT"]) == [env["MASTER_PORT"]] * SIZE
+    assert rendezvous.store_kind() == "mpi" and rendezvous.store_address() is None  # no server
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpidp", None, "cpu:gloo,cuda:gloo"])
-def test_backends_start_with_a_shared_store_and_init_barrier(backend, env_var):
+@pytest.mark.parametrize("backend,store", [("gloo", None), ("mpidp", None), (None, None),
+                                           ("cpu:gloo,cuda:gloo", None), ("gloo", "tcp")])
+def test_backends_start_with_a_shared_store_and_init_barrier(backend, store, env_var):
     env_var("TORCH_DIST_INIT_BARRIER", "1")  # torch's store-based barrier after the start
-    mpidp.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    mpidp.init_process_group(backend, store=store, timeout=datetime.timedelta(seconds=60))
     try:
         expected = SIZE * (SIZE + 1) / 2
         assert _sum_of_ranks() == expected
@@ -140,7 +143,7 @@ def test_the_local_store_is_for_mpidp_alone():
 @pytest.fixture
 def fresh_state(monkeypatch):
     """rendezvous' module state, restored after the test (the server keeps running)."""
-    for name in ("server", "address", "problem", "client"):
+    for name in ("server", "listener", "address", "master", "problem", "client"):
         monkeypatch.setattr(rendezvous._state, name, getattr(rendezvous._state, name))
 
 
@@ -264,6 +267,10 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             done = _launch(2, [str(script), "--x"])
             assert done.returncode == 0, done.stderr[-3000:]
             assert done.stdout.count("sum 3 args ['--x']") == 2, done.stdout
+            # asked for: torch's TCPStore, started at import on the one address, for env://
+            tcp = _launch(2, [str(script), "--x"], MPIDP_STORE="tcp")
+            assert tcp.returncode == 0, tcp.stderr[-3000:]
+            assert tcp.stdout.count("sum 3 args ['--x']") == 2, tcp.stdout
             failed = _launch(2, [str(script), "--fail"])
             assert failed.returncode != 0
             assert "[mpidp rank 1/2] RuntimeError: rank 1 gives up" in failed.stderr, \
@@ -276,8 +283,8 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             # a store that cannot start: mpidp's reason, not torch's "MASTER_ADDR expected"
             nowhere = _launch(2, [str(script), "--x"], MPIDP_RDZV_IFACE="nosuch0")
             assert nowhere.returncode != 0
-            assert "DistNetworkError: mpidp rendezvous: rank 0 could not start the rendezvous " \
-                "store: ValueError: MPIDP_RDZV_IFACE='nosuch0'" in nowhere.stderr, \
+            assert "DistNetworkError: mpidp rendezvous: rank 0 could not choose the rendezvous " \
+                "address: ValueError: MPIDP_RDZV_IFACE='nosuch0'" in nowhere.stderr, \
                 nowhere.stderr[-3000:]
             # a setting that decides whether import mpidp starts the store, on one rank
             # only: the same error on every rank (it once hung in the store's start-up)
@@ -286,7 +293,7 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             assert split.returncode != 0  # the first rank to abort ends the other
             assert "/2] ValueError: import mpidp: MPIDP_EXPORT_ENV, MPIDP_STORE, MASTER_ADDR and " \
                 "MASTER_PORT must be set alike on every rank" in split.stderr, split.stderr[-3000:]
-            assert "rank 0: MPIDP_EXPORT_ENV=1, MPIDP_STORE=tcp" in split.stderr
+            assert "rank 0: MPIDP_EXPORT_ENV=1, MPIDP_STORE=mpi" in split.stderr
             assert "rank 1: MPIDP_EXPORT_ENV=1, MPIDP_STORE=local" in split.stderr
         finally:
             script.unlink()

@@ -95,6 +95,27 @@ def test_the_name_in_dev_shm_is_gone_once_mapped_and_the_memory_outlives_the_win
     assert torch.all(tensor == RANK)  # the mapping lives while a tensor does
 
 
+def test_the_file_is_the_owners_alone_and_no_other_file_is_taken_for_it(tmp_path):
+    """Review for issue 31: the name was mpidp-<pid>-<n>, and a file another user of the node made
+    under that name first was opened by every rank (the creation failed, the opens did not)."""
+    name, identity, mapping = shm._create(4096)
+    try:
+        assert os.path.basename(name).startswith("mpidp-") and len(os.path.basename(name)) == 38
+        found = os.stat(name)
+        assert found.st_mode & 0o777 == 0o600 and found.st_uid == os.getuid()
+        assert shm._open(name, 4096, identity) is not None  # the file rank 0 made
+        decoy = tmp_path / "decoy"
+        decoy.write_bytes(bytes(4096))
+        decoy.chmod(0o666)
+        assert shm._open(str(decoy), 4096, identity) is None  # another file under the name
+        link = tmp_path / "link"
+        link.symlink_to(name)
+        assert shm._open(str(link), 4096, identity) is None  # never through a link
+    finally:
+        os.unlink(name)
+        mapping.close()
+
+
 # -- DDP through shared memory -----------------------------------------------------------
 
 
