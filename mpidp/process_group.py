@@ -145,7 +145,7 @@ _progress.spin_seconds = settings.get("MPIDP_PROGRESS_SPIN_MS") / 1e3
 # MPIDP_CHECK_CALLS=0 trades it for MPI's undefined behaviour on calls that differ.
 _CHECK_CALLS = settings.get("MPIDP_CHECK_CALLS")
 atexit.register(_progress.stop)  # after mpi4py's import registered MPI_Finalize: runs before it
-os.register_at_fork(after_in_child=lambda: setattr(_progress, "_thread", None))
+os.register_at_fork(after_in_child=_progress.forget_thread)
 
 
 class _NoExtensions:

@@ -169,6 +169,7 @@ class _Progress:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mpidp-progress", daemon=True)
         self._thread.start()
+        _handle.set_driver(self._thread.ident, self.drive_request)
 
     def _pending(self) -> bool:
         return bool(self._loose) or any(self._queues.values()) or bool(self._later)
@@ -257,8 +258,12 @@ class _Progress:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self.forget_thread()
+
+    def forget_thread(self) -> None:
+        """No progress thread any more (stopped, or this is a forked child)."""
         self._thread = None
+        _handle.set_driver(None, None)  # a later thread may be given the same id
 
 
 progress = _Progress()
-_handle.set_driver(progress.in_thread, progress.drive_request)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from mpi4py import MPI
 
 from .. import errors as _errors
@@ -14,28 +16,29 @@ __all__ = ["Handle"]
 _in_flight: set = set()
 
 # The thread that must never block in MPI (docs/concurrency.md, rule 3) registers itself
-# here: (is that thread the current one, complete a request while progressing the
-# rest). A blocking step of an mpidp.comm call made on that thread (a future's
-# callback issuing a collective, an argument exchange, the MPIDP_DEBUG check) is
-# then started nonblocking and driven, never waited on in MPI_Wait.
-_driver: tuple | None = None
+# here: its thread id, and how to complete a request while progressing the rest. A
+# blocking step of an mpidp.comm call made on that thread (a future's callback issuing a
+# collective, an argument exchange, the MPIDP_DEBUG check) is then started nonblocking
+# and driven, never waited on in MPI_Wait. Compared by id: every blocking call asks.
+_driver_ident: int | None = None
+_drive = None
 
 
-def set_driver(on_thread, drive) -> None:
-    """Register the never-blocking thread: ``on_thread()`` -> bool, ``drive(request)``."""
-    global _driver
-    _driver = (on_thread, drive)
+def set_driver(ident: int | None, drive) -> None:
+    """Register the never-blocking thread (``ident``, None: none) and ``drive(request)``."""
+    global _driver_ident, _drive
+    _driver_ident, _drive = ident, drive
 
 
 def _driving() -> bool:
-    return _driver is not None and _driver[0]()
+    return _driver_ident is not None and threading.get_ident() == _driver_ident
 
 
 def wait_request(request: MPI.Request, label=None) -> None:
     """Complete ``request``: ``MPI_Wait`` on a program thread (watched under ``label``),
     driven on the registered never-blocking thread."""
     if _driving():
-        _driver[1](request)
+        _drive(request)
         return
     slot = _watchdog.begin(label)
     try:

@@ -9,6 +9,7 @@ import copy
 import datetime
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -239,3 +240,34 @@ def test_every_communicator_is_registered_with_its_owner_and_freed_with_it():
     assert len(after) < len(owners)
     assert [r for r in before if r.owner.startswith("DDP")] == \
         [r for r in communicators.listing() if r.owner.startswith("DDP")]  # only its own went
+
+
+def test_exchanges_a_callback_issues_are_driven_on_the_progress_thread():
+    """A future's callback runs on the progress thread, which never blocks (rule 3): the splits
+    check of an alltoall, the shape exchange of a sparse all_reduce and, under MPIDP_DEBUG, the
+    debug checks it issues there are driven, while another group's chunked all_reduce is in flight."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    other = dist.new_group(list(range(SIZE)))
+    big = torch.full(((4 << 20) // 4 + 100,), float(RANK))
+    seen = {}
+
+    def callback(future):
+        out = torch.empty(SIZE)
+        dist.all_to_all_single(out, torch.full((SIZE,), float(RANK)), [1] * SIZE, [1] * SIZE)
+        sparse = torch.sparse_coo_tensor([[RANK]], [1.0], (SIZE,))
+        dist.all_reduce(sparse)
+        seen.update(alltoall=out.tolist(), sparse=sparse.to_dense().tolist(),
+                    thread=threading.current_thread().name)
+        return future.value()
+
+    for _ in range(3):
+        chained = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+        large = dist.all_reduce(big, group=other, async_op=True)
+        chained.wait()
+        large.wait()
+        assert seen["thread"] == "mpidp-progress", seen
+        assert seen["alltoall"] == [float(r) for r in range(SIZE)], seen
+        assert seen["sparse"] == [1.0] * SIZE, seen
+        big.fill_(float(RANK))
+    dist.destroy_process_group(other)
