@@ -13,9 +13,10 @@ of the thread that handed it the bucket)::
 **Rank 0's summary.** Over the watchdogs' own communicator (a duplicate of
 ``MPI.COMM_WORLD`` made by ``watchdog.start()``, so their messages can never
 match the program's) go point-to-point messages only (``Channel``), so
-nothing the watchdog does can hang on a missing rank: rank 0's watchdog keeps an
-``Irecv(ANY_SOURCE)`` posted and every other rank's keeps one posted for
-rank 0's questions. A stalled rank sends its line to rank 0. At the first
+nothing the watchdog does can hang on a missing rank: rank 0's watchdog keeps a
+receive posted for each other rank (not ``ANY_SOURCE``, which missed messages
+from another node with MPICH over UCX: remote ranks read "no report"), and
+every other rank's keeps one posted for rank 0's questions. A stalled rank sends its line to rank 0. At the first
 such line, or its own stall, rank 0 asks every other rank for its state,
 collects answers for up to ``_COLLECT_SECONDS`` (less once all have
 answered), prints one summary line, and aborts the job::
@@ -223,17 +224,18 @@ class Channel:
         self.comm = comm
         self.state = state
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.inbox = bytearray(_MESSAGE_BYTES)
+        self.peers = list(range(1, self.size)) if self.rank == 0 else [0]
+        self.inboxes = [bytearray(_MESSAGE_BYTES) for _ in self.peers]
         self.status = MPI.Status()
         self.sends: list = []  # (request, buffer) until complete
         self.states: dict[int, dict] | None = None  # rank 0, while it collects
         self.closes_at = 0.0
-        self.request = self._post()
+        self.requests = [self._post(index) for index in range(len(self.peers))]
 
-    def _post(self) -> MPI.Request:
-        if self.rank == 0:
-            return self.comm.Irecv([self.inbox, MPI.BYTE], MPI.ANY_SOURCE, _TAG_LINE)
-        return self.comm.Irecv([self.inbox, MPI.BYTE], 0, _TAG_QUERY)
+    def _post(self, index: int) -> MPI.Request:
+        """The receive from ``self.peers[index]``: one per peer, never ``ANY_SOURCE``."""
+        tag = _TAG_LINE if self.rank == 0 else _TAG_QUERY
+        return self.comm.Irecv([self.inboxes[index], MPI.BYTE], self.peers[index], tag)
 
     def _send(self, data: bytes, dest: int, tag: int) -> None:
         self.sends.append((self.comm.Isend([data, MPI.BYTE], dest, tag), data))
@@ -251,10 +253,12 @@ class Channel:
     def poll(self, now: float) -> str | None:
         """Handle what arrived; on rank 0, return the summary once a collection closes."""
         self.sends = [(r, d) for r, d in self.sends if not r.Test()]
-        while self.request.Test(self.status):
-            source = self.status.Get_source()
-            data = bytes(self.inbox[:self.status.Get_count(MPI.BYTE)])
-            self.request = self._post()
+        for index, request in enumerate(self.requests):
+            if not request.Test(self.status):
+                continue
+            source = self.peers[index]
+            data = bytes(self.inboxes[index][:self.status.Get_count(MPI.BYTE)])
+            self.requests[index] = self._post(index)
             if self.rank == 0:
                 try:
                     state = json.loads(data)
@@ -287,9 +291,10 @@ class Channel:
 
     def close(self) -> None:
         """Cancel the posted receive and finish the sends, before MPI_Finalize."""
-        if self.request:  # not MPI.REQUEST_NULL: still posted
-            self.request.Cancel()
-            self.request.Wait()
+        for request in self.requests:
+            if request:  # not MPI.REQUEST_NULL: still posted
+                request.Cancel()
+                request.Wait()
         deadline = _clock() + 1.0
         while self.sends and _clock() < deadline:
             self.sends = [(r, d) for r, d in self.sends if not r.Test()]

@@ -137,6 +137,25 @@ def test_a_cut_link_ends_the_job_with_the_watchdogs_report():
     assert result.swept > 0  # n1's processes, which the launcher left, killed by the harness
 
 
+def test_the_watchdog_accounts_for_every_rank_across_nodes():
+    """Issue 29: rank 3 (on n1) sleeps in user code at DDP step 3 while the others wait in a
+    bucket; rank 0's summary must name rank 3's line, not "no report" (its watchdog answered
+    over a receive posted for it: ANY_SOURCE missed messages from the other node)."""
+    made = cluster()
+    with made:
+        result = made.run([sys.executable, str(ROOT / "tests" / "mpi" / "stall.py"), "sleep", "3",
+                           "inline"], ppn=PPN, timeout=180, env={"MPIDP_TIMEOUT": "5"})
+    assert_all_gone(made)
+    summary = re.search(r"stall summary: .*", result.output)
+    assert summary, result.output[-4000:]
+    print(summary[0])
+    assert result.returncode == 124, result.output[-4000:]
+    assert "no report" not in summary[0], summary[0]
+    for rank in (0, 1, 2):
+        assert re.search(rf"\brank {rank}: waiting in DDP step 3 bucket", summary[0]), summary[0]
+    assert "rank 3: not in an mpidp collective, main thread at tests/mpi/stall.py:" in summary[0]
+
+
 def test_the_command_line_kills_a_job_at_its_limit_and_down_removes_everything():
     script = [sys.executable, str(ROOT / "bench" / "cluster" / "harness.py"), "--prefix", PREFIX]
     inodes = set()
