@@ -59,9 +59,10 @@ from mpi4py import MPI
 
 from . import communicators as _communicators
 from . import runtime
-
 from .store_server import (  # noqa: F401 (the wire format is shared)
-    _ERROR, _TIMEOUT, _ADD, _ANSWER, _APPEND, _CAS, _CHECK, _DELETE, _GRACE_SECONDS, _HEAD, _INLINE_BYTES, _MAX_SLEEP, _MULTI_GET, _MULTI_SET, _NUM_KEYS, _SET, _SPIN_SECONDS, _Service, _TAG_REQUEST, _TAG_SLOTS, _Table, _WAIT, _bytes, _pack, _seconds, _timed_out, _unpack,
+    _ADD, _ANSWER, _APPEND, _CAS, _CHECK, _DELETE, _ERROR, _GRACE_SECONDS, _HEAD, _INLINE_BYTES,
+    _MAX_SLEEP, _MULTI_GET, _MULTI_SET, _NUM_KEYS, _SET, _SPIN_SECONDS, _TAG_REQUEST,
+    _TAG_SLOTS, _TIMEOUT, _WAIT, _Service, _Table, _bytes, _pack, _seconds, _timed_out, _unpack,
 )
 
 __all__ = ["MPIStore", "start", "started"]
