@@ -8,14 +8,16 @@ rank (``revoke_all``, where the MPI library has User-Level Failure Mitigation).
 
 Rule: an entry is added and removed by the thread that makes or frees the
 communicator; the lock only guards the table, never an MPI call.
+
+Imports ``mpi4py.MPI`` only inside its functions: ``mpidp.runtime`` imports this
+module before it decides whether that import may initialise MPI (never in a
+multiprocessing child).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-
-from mpi4py import MPI
 
 __all__ = ["Record", "made", "free", "listing", "revoke_all"]
 
@@ -37,11 +39,13 @@ class Record:
 
 
 _lock = threading.Lock()
-_table: dict[int, tuple[MPI.Comm, Record]] = {}  # id(comm) -> (comm, record)
+_table: dict[int, tuple] = {}  # id(comm) -> (comm, record)
 
 
-def made(comm: MPI.Comm, owner: str, issuer: str = "the program's thread") -> MPI.Comm:
-    """Register ``comm`` (just made, collectively) under ``owner``; returns it."""
+def made(comm, owner: str, issuer: str = "the program's thread"):
+    """Register ``comm`` (an mpi4py communicator just made, collectively) under ``owner``; returns it."""
+    from mpi4py import MPI  # noqa: PLC0415 (see the module's docstring)
+
     if comm == MPI.COMM_NULL:
         return comm
     record = Record(owner, issuer, comm.Get_size())
@@ -50,7 +54,7 @@ def made(comm: MPI.Comm, owner: str, issuer: str = "the program's thread") -> MP
     return comm
 
 
-def free(comm: MPI.Comm) -> None:
+def free(comm) -> None:
     """``comm.Free()`` (collective), and forget it."""
     with _lock:
         _table.pop(id(comm), None)
@@ -59,6 +63,8 @@ def free(comm: MPI.Comm) -> None:
 
 def listing() -> list[Record]:
     """The communicators mpidp holds now, oldest first."""
+    from mpi4py import MPI  # noqa: PLC0415
+
     with _lock:
         return [record for comm, record in _table.values() if comm != MPI.COMM_NULL]
 
@@ -70,6 +76,8 @@ def revoke_all() -> int:
         NotImplementedError: the MPI library has no ``MPI_Comm_revoke`` (MPICH, Intel MPI;
             Open MPI 5 has it under ``mpirun --with-ft ulfm``).
     """
+    from mpi4py import MPI  # noqa: PLC0415
+
     with _lock:
         comms = [comm for comm, _ in _table.values() if comm != MPI.COMM_NULL]
     for comm in comms:

@@ -77,6 +77,7 @@ class _State:
     server = None     # rank 0: the TCPStore that holds the server (MPIDP_STORE=tcp)
     listener = None   # rank 0: its socket, bound to the one address (the server serves on it)
     address = None    # (host, port, why) of the server, on every rank; None: no server
+    listened_at_import = False  # whether import mpidp started a TCP server (MPIDP_STORE=tcp)
     master = None     # (host, port, why) exported as MASTER_ADDR/PORT; None: none exported
     problem = None    # why there is no server or address (the same on every rank)
     client = None     # this rank's connection to the TCP server, made at the first rendezvous
@@ -235,6 +236,7 @@ def start_up(force: bool = False) -> None:
             return
         if kind in ("tcp", "mpi"):
             _state.master = _start_server(world, listen=kind == "tcp")
+            _state.listened_at_import = _state.address is not None
         _export(world)
     if force and _state.problem is not None:
         # python -m mpidp run exists for programs that read MASTER_ADDR: without this

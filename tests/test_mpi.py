@@ -31,8 +31,10 @@ MPI_FILES = [
     ("tests/mpi/check_hooks.py", [2, 3]),
     ("tests/mpi/check_shm.py", [2, 3]),  # 4: test_shared_memory_across_nodes
     ("tests/mpi/check_engine.py", [2, 3]),
-    ("tests/mpi/check_rendezvous.py", [2]),
+    # before check_rendezvous, whose TCP-store tests leave a listener up in their launch:
+    # check_store's port probe must find none of mpidp's (its own TCP test comes last)
     ("tests/mpi/check_store.py", [2, 3]),
+    ("tests/mpi/check_rendezvous.py", [2]),
     ("tests/mpi/check_frameworks.py", [2]),  # skips without the frameworks extra
     ("tests/mpi/check_horovod.py", [2, 3]),  # with the MNIST example against one process
     ("tests/mpi/check_preempt.py", [2, 3]),  # the example's launches: tests/test_preemption.py
