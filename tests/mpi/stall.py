@@ -14,7 +14,7 @@ Modes:
   seconds, wakes up, and the training ends normally;
 - ``gil RANK``: as ``sleep``, but ``RANK`` sleeps in C holding the GIL, so no
   thread of it can answer;
-- ``train [OVERLAP]``: a DDP training run that never stalls;
+- ``train [OVERLAP ...]``: DDP training runs that never stall, one per strategy given;
 - ``checks``: the watchdog's argument checks (no stall).
 
 Set ``STALL_THREAD_LEVEL`` (e.g. "serialized") to initialise MPI at that level,
@@ -125,7 +125,8 @@ def main() -> None:
     elif mode in ("sleep", "gil"):
         train(5, args[1] if len(args) > 1 else "auto", int(args[0]), holds_gil=mode == "gil")
     elif mode == "train":
-        train(40, args[0] if args else "auto")
+        for overlap in args or ["auto"]:  # one launch, each strategy in turn
+            train(40, overlap)
     elif mode == "checks":
         checks()
     else:
