@@ -1,8 +1,8 @@
-"""Shared-memory allreduce (mpidp.shm) against MPI's on the same buffers. Run by hand.
+"""Shared-memory allreduce (mpidp.comm.shm) against MPI's on the same buffers. Run by hand.
 
     mpiexec -n 2 python bench/shm_bench.py [--sizes-mb 1 4 16 50 100] [--out r.jsonl]
 
-For each size, float32 buffers of that many MB per rank: ``mpidp.shm`` (the
+For each size, float32 buffers of that many MB per rank: ``mpidp.comm.shm`` (the
 buffer in the node's shared mapping, reduced in place) and ``MPI_Allreduce``
 (``MPI.IN_PLACE`` on a private buffer, whole and in mpidp's 4 MiB chunks), the
 modes taking turns, median of 15 after a warm-up. The floor is the bandwidth
@@ -18,7 +18,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from mpidp import shm
+from mpidp.comm import shm
 
 COMM = MPI.COMM_WORLD
 
@@ -62,12 +62,12 @@ def main():
             for start in range(0, numel, chunk):
                 COMM.Allreduce(MPI.IN_PLACE, private[start:start + chunk].numpy())
 
-        modes = {"mpidp.shm": lambda: window.allreduce(shared),
+        modes = {"mpidp.comm.shm": lambda: window.allreduce(shared),
                  "MPI_Allreduce": lambda: COMM.Allreduce(MPI.IN_PLACE, private.numpy()),
                  "MPI_Allreduce 4 MiB chunks": chunked}
         total = sum(r + 1 for r in range(COMM.size))
         fill()
-        modes["mpidp.shm"]()
+        modes["mpidp.comm.shm"]()
         modes["MPI_Allreduce"]()
         assert torch.all(shared == total) and torch.all(private == total)  # both sum
         fill()  # (the timed calls go on summing: the values stay far from overflow)
@@ -75,7 +75,7 @@ def main():
         floor = (2 * COMM.size * numel * 4 / (args.add_gb_s * 1e9)) if args.add_gb_s else None
         for name, seconds in times.items():
             row = dict(kind="shm", ranks=COMM.size, mb=mb, mode=name, ms=seconds * 1e3,
-                       over_shm=seconds / times["mpidp.shm"],
+                       over_shm=seconds / times["mpidp.comm.shm"],
                        over_floor=seconds / floor if floor else None)
             rows.append(row)
             if COMM.rank == 0:

@@ -18,19 +18,22 @@ raises ``RuntimeError``.
 # runtime first: it decides, before anything imports mpi4py.MPI, whether that
 # import may initialise MPI (not in a multiprocessing child).
 from . import runtime  # isort: skip
-from . import comm, cuda, errors, hooks, kernels, objects, optimizer, process_group, topology, watchdog, zero
+from . import (
+    comm, cuda, errors, hooks, kernels, objects, optimizer, process_group, topology, watchdog,
+    zero,
+)
 from . import rendezvous, store
 from . import checkpoint, generators, preemption
 from .checkpoint import Checkpointer
-from .ddp import DDP, DistributedDataParallel
+from .ddp.data_parallel import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
-from .monitor import monitored_barrier
+from .process_group.monitor import monitored_barrier
 from .rendezvous import init_process_group
 from .runtime import abort_on_exception, local_rank, local_size, rank, size
 from .watchdog import barrier
 from .sampler import DistributedSampler
-from .syncbn import SyncBatchNorm
+from .ddp.syncbn import SyncBatchNorm
 from .zero import ZeroRedundancyOptimizer
 from .topology import topology as rank_topology
 

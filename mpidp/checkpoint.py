@@ -44,10 +44,11 @@ from collections.abc import Mapping
 import torch
 from mpi4py import MPI
 
-from . import _args, agreement, generators, preemption, runtime
+from . import _args, generators, preemption, runtime
+from .comm import agreement
 from . import communicators as _communicators
 from . import watchdog as _watchdog
-from .ddp import DistributedDataParallel
+from .ddp.data_parallel import DistributedDataParallel
 from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
 

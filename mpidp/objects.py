@@ -22,7 +22,7 @@ import pickle
 import torch
 from mpi4py import MPI
 
-from . import agreement as _agreement
+from .comm import agreement as _agreement
 from . import comm as _comm
 from . import watchdog as _watchdog
 

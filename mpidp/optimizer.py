@@ -19,14 +19,14 @@ import dataclasses
 
 import torch
 
-from . import agreement as _agreement
+from .comm import agreement as _agreement
 from . import comm as _comm
 from . import objects as _objects
 
 __all__ = ["broadcast_optimizer_state"]
 
 # Below this a tensor rides in its dtype's packed host buffer; the same value
-# as mpidp.ddp's coalesced broadcast of module state.
+# as mpidp.ddp.data_parallel's coalesced broadcast of module state.
 _INPLACE_BYTES = 1 << 20
 
 

@@ -9,11 +9,11 @@ or all, at any moment: inside an allreduce, in the backward, between steps.
   (``requested()``); nothing else may run inside a handler, which interrupts
   Python code at any bytecode, a torch.save or an MPI call's return included.
 - The ranks agree at a step boundary. ``agree_stop(comm)`` is one 4-byte
-  allreduce (``mpidp.agreement.any_failed``) that the user's loop calls once
+  allreduce (``mpidp.comm.agreement.any_failed``) that the user's loop calls once
   per step, in the same place on every rank. Under mpidp's
   ``DistributedDataParallel`` the flag travels for free: every synced step
   already sums a small bookkeeping vector across the ranks
-  (``mpidp.reducer``), which carries each rank's flag in one more integer, so
+  (``mpidp.ddp.reducer``), which carries each rank's flag in one more integer, so
   ``agreed_by(ddp)`` reads the agreement that step made, and calls nothing.
 - ``exit_for_requeue()`` ends every rank together with ``EXIT_STATUS`` (75,
   ``EX_TEMPFAIL`` of sysexits.h: try again later), which the job scripts in
@@ -33,7 +33,8 @@ import threading
 
 from mpi4py import MPI
 
-from . import agreement, runtime
+from .comm import agreement
+from . import runtime
 
 __all__ = ["EXIT_STATUS", "DEFAULT_SIGNALS", "signal_numbers", "arm", "disarm", "armed", "requested", "received",
            "clear", "agree_stop", "agreed_by", "exit_for_requeue"]

@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import settings, address as _address, agreement, runtime, store as _store
+from . import settings, address as _address, runtime, store as _store
+from .comm import agreement
 
 __all__ = ["default_backend", "init_process_group", "handler", "start_up", "store_address",
            "exported", "store_kind"]

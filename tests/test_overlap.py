@@ -4,7 +4,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpidp import overlap
+from mpidp.ddp import overlap
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
 

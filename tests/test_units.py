@@ -12,8 +12,8 @@ from torch import nn
 
 import mpidp
 from mpidp import cuda, topology
-from mpidp.buckets import Shards, assign_buckets
-from mpidp.ddp import first_mismatch
+from mpidp.ddp.buckets import Shards, assign_buckets
+from mpidp.ddp.data_parallel import first_mismatch
 from mpidp.kernels import pack, unpack
 
 ROOT = Path(__file__).resolve().parent.parent

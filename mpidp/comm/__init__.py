@@ -38,8 +38,8 @@ from __future__ import annotations
 from mpi4py import MPI as MPI  # mpidp.comm.MPI: the lab examples reach mpi4py through it
 
 from .collectives import (
-    allgather, allreduce, barrier, broadcast, gather, iallgather, iallreduce, ibarrier,
-    ibroadcast, igather, ireduce, ireduce_scatter, iscatter, reduce, reduce_scatter, scatter,
+    allgather, allreduce, barrier, broadcast, gather, iallgather, iallreduce, ibarrier, ibroadcast,
+    igather, ireduce, ireduce_scatter, iscatter, reduce, reduce_scatter, scatter,
 )
 from .dtypes import OPS, reduction_path
 from .handle import Handle

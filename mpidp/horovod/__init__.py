@@ -12,7 +12,7 @@ Adasum) raises an error that says so. docs/horovod.md has the whole table.
 
 from __future__ import annotations
 
-from ..syncbn import SyncBatchNorm
+from ..ddp.syncbn import SyncBatchNorm
 from .basics import (
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,

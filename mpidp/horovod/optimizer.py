@@ -12,7 +12,7 @@ then averaged over the ranks, as in Horovod.
 **Order.** Horovod's coordinator negotiates which gradients every rank has
 ready. mpidp decides from facts every rank shares instead: the gradients are
 grouped into buckets in a fixed order (reverse registration order, which the
-backward pass roughly follows, by ``mpidp.buckets.assign_buckets``, up to
+backward pass roughly follows, by ``mpidp.ddp.buckets.assign_buckets``, up to
 ``HOROVOD_FUSION_THRESHOLD`` bytes, default mpidp DDP's 25 MiB after a 1 MiB
 first bucket; or the ``groups`` given), and bucket ``b`` starts only once all of
 its gradients are ready and every bucket before it has started. So every rank
@@ -20,8 +20,8 @@ starts the same allreduces in the same order, whatever order its hooks fire in.
 
 **Speed.** A bucket is still negotiated like any hvd allreduce (so ``hvd.join``
 serves it), but where no rank has joined its CPU data are reduced at once the
-way mpidp DDP reduces its buckets (``mpidp.overlap``'s inline strategy): the
-fused buffers live in a window of the node's shared memory (``mpidp.shm``)
+way mpidp DDP reduces its buckets (``mpidp.ddp.overlap``'s inline strategy): the
+fused buffers live in a window of the node's shared memory (``mpidp.comm.shm``)
 where the set's ranks share nodes, and a buffer outside it (one large
 gradient) goes through MPI chunk by chunk.
 """
@@ -36,11 +36,11 @@ from numbers import Real
 import torch
 
 from .. import _args
-from .. import agreement as _agreement
-from .. import overlap as _overlap
-from ..buckets import Bucket, assign_buckets
+from ..comm import agreement as _agreement
+from ..ddp import overlap as _overlap
+from ..ddp.buckets import Bucket, assign_buckets
 from ..comm import chunking as _chunking
-from ..ddp_options import FIRST_BUCKET_MB
+from ..ddp.options import FIRST_BUCKET_MB
 from . import process_sets as _sets
 from . import requests as _requests
 from . import settings as _settings

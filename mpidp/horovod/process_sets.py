@@ -16,8 +16,8 @@ import torch
 from mpi4py import MPI
 
 from .. import _args
-from .. import agreement as _agreement
-from .. import ddp_options as _ddp_options
+from ..comm import agreement as _agreement
+from ..ddp import options as _ddp_options
 from .. import communicators as _communicators
 from . import state as _state
 
@@ -50,7 +50,7 @@ class ProcessSet:
         self.process_set_id = None
         self.comm = self.data = self.control = None  # set on members when registered
         self.lock = threading.Lock()  # a collective's control and data messages start together
-        self._node = None  # (mpidp.shm.Node or None,) once asked for: see shared_node
+        self._node = None  # (mpidp.comm.shm.Node or None,) once asked for: see shared_node
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"

@@ -82,7 +82,7 @@ def _begin(tensors, inplace: bool, op, average, name, prescale_factor, postscale
            process_set, strategy=None) -> _requests.Request:
     """Start the allreduce of ``tensors`` (one message per dtype and device).
 
-    ``strategy`` (an ``mpidp.overlap`` one, for the optimizer's buckets) reduces a CPU
+    ``strategy`` (an ``mpidp.ddp.overlap`` one, for the optimizer's buckets) reduces a CPU
     sum at once the way mpidp DDP does: in the node's shared memory where its window
     holds the tensor, else chunk by chunk (``Average`` still scales the sum after).
     """

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import agreement as _agreement
+from ..comm import agreement as _agreement
 from .. import watchdog as _watchdog
 from ..comm.dtypes import _DTYPES
 from . import state as _state

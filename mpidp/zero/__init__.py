@@ -8,9 +8,9 @@ updated parameters (stage 1, ZeRO's P_os). With ``stage=2`` (DeepSpeed's
 name) the ``mpidp.DistributedDataParallel`` that reduces these parameters
 reduce-scatters each gradient bucket instead of allreducing it, so each rank
 also keeps only its part of the gradients (ZeRO's P_os+g); see
-``mpidp.sharded.ShardedReducer``.
+``mpidp.ddp.sharded.ShardedReducer``.
 
-How the elements are divided (``mpidp.buckets.Shards``): the parameters are
+How the elements are divided (``mpidp.ddp.buckets.Shards``): the parameters are
 laid end to end in flat buffers ("buckets", by dtype; in stage 2 the DDP's own
 gradient buckets), each padded to a multiple of the world size and cut into
 chunks; rank ``r`` owns the ``r``-th block of every chunk. So a rank's share is

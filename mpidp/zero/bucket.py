@@ -3,7 +3,7 @@
 The parameters become views into the buffer (torch's
 ``parameters_as_bucket_view``), so the allgather after a step writes the
 updated values where the model reads them, with no copy. Each rank steps only
-its pieces of the buffer (``mpidp.buckets.Shards`` says which).
+its pieces of the buffer (``mpidp.ddp.buckets.Shards`` says which).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 from .. import comm as _comm
-from ..buckets import Shards
+from ..ddp.buckets import Shards
 
 __all__ = ["Bucket"]
 

@@ -5,7 +5,7 @@ rank by ``consolidate_state_dict(to)``, loaded on every rank, each keeping
 its shard. A sharded save is each rank's pieces with where they lie in their
 parameters, one file per rank; any number of ranks can load it, since every
 piece is cut and merged by element ranges. Every load ends in the same
-decision on every rank (``mpidp.agreement.agree``): a rank whose checks
+decision on every rank (``mpidp.comm.agreement.agree``): a rank whose checks
 failed never leaves the others loading alone.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from .._args import is_int
 from .. import watchdog as _watchdog
-from ..agreement import agree
+from ..comm.agreement import agree
 
 __all__ = ["CheckpointMixin"]
 

@@ -19,8 +19,8 @@ from .. import comm as _comm
 from .. import communicators as _communicators
 from ..comm import chunking as _chunking
 from .._args import check_bool, check_number, is_int
-from ..agreement import agree, decide
-from ..buckets import Shards, assign_buckets
+from ..comm.agreement import agree, decide
+from ..ddp.buckets import Shards, assign_buckets
 from .bucket import Bucket
 from .checkpoint import CheckpointMixin
 from .elementwise import elementwise_keys
@@ -72,7 +72,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
                  stage: int = 1, comm: MPI.Intracomm | None = None, bucket_cap_mb: float = 25,
                  chunk_mb: float | None = None, **defaults):
-        from ..ddp import _base_comm  # noqa: PLC0415 (ddp imports the reducer, which is fine)
+        from ..ddp.data_parallel import _base_comm  # noqa: PLC0415 (ddp imports the reducer, which is fine)
 
         self._ready = False
         self._buckets: list[Bucket] = []
@@ -175,7 +175,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                                  f"Optimizer shards dense (strided) parameters only")
 
     def _find_ddp(self):
-        from ..ddp import owner  # noqa: PLC0415
+        from ..ddp.data_parallel import owner  # noqa: PLC0415
 
         params = self._params()
         owners = {owner(p) for p in params if p.requires_grad}

@@ -6,7 +6,7 @@ messages between nodes cross a (shaped) network and shared memory only joins
 the ranks of one node. Checks, in float64 so that only the order of the sums
 differs from one process training on the whole batch:
 
-- mpidp sees two nodes: hostnames, local ranks, ``mpidp.shm`` grouping, and
+- mpidp sees two nodes: hostnames, local ranks, ``mpidp.comm.shm`` grouping, and
   the info report;
 - a 16 MB allreduce gives the exact sum (its bytes cross the veths: the test
   reads the counters);
@@ -31,7 +31,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import mpidp
-from mpidp import shm, topology
+from mpidp import topology
+from mpidp.comm import shm
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

@@ -20,7 +20,7 @@ from torch import nn
 
 import mpidp
 import races
-from mpidp import work as _work
+from mpidp.process_group import work as _work
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 

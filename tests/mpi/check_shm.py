@@ -1,4 +1,4 @@
-"""Shared-memory reduction (mpidp.shm): against its definition, and DDP through it.
+"""Shared-memory reduction (mpidp.comm.shm): against its definition, and DDP through it.
 
 Run on every rank under mpiexec, at 2 and 4 ranks, and at 4 ranks with
 MPIDP_SHM_NODE_SIZE=2 (two "nodes" of two ranks: the node sums, then MPI
@@ -22,7 +22,7 @@ from mpi4py import MPI
 import mpidp
 from _models import (OPTIMIZERS, RANK, SIZE, Branches, inputs, loss_of, max_rel_diff,
                      reference_copy, shard, fresh)
-from mpidp import shm
+from mpidp.comm import shm
 
 COMM = MPI.COMM_WORLD
 NODE_SIZE = int(os.environ.get("MPIDP_SHM_NODE_SIZE", "0")) or None

@@ -18,8 +18,8 @@ from torch import nn
 
 import mpidp
 from _models import RANK, SIZE, inputs, loss_of, max_rel_diff, reference_copy, shard, fresh
-from mpidp import syncbn
-from mpidp.syncbn import SyncBatchNorm  # mpidp.SyncBatchNorm once __init__ exports it
+from mpidp.ddp import syncbn
+from mpidp.ddp.syncbn import SyncBatchNorm  # mpidp.SyncBatchNorm once __init__ exports it
 
 TOLERANCE = 1e-5
 CHANNELS = 4

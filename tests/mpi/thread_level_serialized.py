@@ -13,7 +13,7 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mpidp  # noqa: E402
-from mpidp import overlap  # noqa: E402
+from mpidp.ddp import overlap  # noqa: E402
 
 level = mpidp.runtime.thread_level()
 assert level <= MPI.THREAD_SERIALIZED, f"asked for serialized, MPI granted {level}"

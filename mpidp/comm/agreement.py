@@ -1,0 +1,122 @@
+"""Every rank reaches the same decision: one rule for checks that span ranks.
+
+A check that one rank fails must end in the same error on every rank, never
+in an error on one rank while the others walk into the next collective and
+wait forever. The rule: each rank computes its own verdict (an error or
+None), one 4-byte allreduce says whether any rank failed, and only then do
+the messages travel, so the usual case costs one small allreduce (docs/performance.md, "Figures behind the code's choices").
+Every call here is a collective on
+``comm`` and is recorded by the stall watchdog under ``label``.
+"""
+
+from __future__ import annotations
+
+import array
+
+import numpy as np
+
+from mpi4py import MPI
+
+from .. import watchdog as _watchdog
+from .pool import _collective_comm
+
+__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_together",
+           "watched_allgather"]
+
+
+def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
+    """``comm.allgather(obj)``, named ``label`` in the stall watchdog's reports."""
+    return _watchdog.watched(label, comm.allgather, obj)
+
+
+def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
+    """Gather every rank's ``fact``, then run ``judge(facts)`` on every rank; raise what it returns.
+
+    The agreement in its general form: ``judge`` sees the same list on every rank and
+    must decide from it alone (never from this rank's own state), so every rank
+    returns the facts, or raises the same exception. Use it where the facts are
+    needed anyway; ``agree``/``raise_together``/``agree_facts`` send less when only
+    a verdict is.
+    """
+    facts = watched_allgather(comm, fact, label)
+    error = judge(facts)
+    if error is not None:
+        raise error
+    return facts
+
+
+def any_failed(comm: MPI.Intracomm, failed: bool, label: str) -> bool:
+    """True on every rank if ``failed`` is true on any (one 4-byte allreduce)."""
+    flag = array.array("i", [bool(failed)])
+    slot = _watchdog.begin(label)
+    try:
+        comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT], MPI.MAX)
+    finally:
+        slot.current = None
+    return bool(flag[0])
+
+
+def by_rank(entries: list) -> str:
+    """'rank 1: X; ranks 0, 2-3: Y' for the entries that are not None, equal ones folded."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, entry in enumerate(entries):
+        if entry is not None:
+            ranks_of.setdefault(entry, []).append(rank)
+    return "; ".join(f"{_watchdog._ranks(ranks)}: {entry}" for entry, ranks in ranks_of.items())
+
+
+def raise_together(comm: MPI.Intracomm, problem: str | None, kind: type, what: str,
+                   label: str | None = None) -> None:
+    """Raise ``kind(f"{what} {by_rank(problems)}")`` on every rank if any rank has a ``problem``."""
+    label = label or f"{what.rstrip(':')} (do all ranks agree?)"
+    if any_failed(comm, problem is not None, label):
+        raise kind(f"{what} {by_rank(watched_allgather(comm, problem, label))}")
+
+
+def agree(comm: MPI.Intracomm, error: BaseException | None, label: str) -> None:
+    """Raise on every rank if ``error`` is set on any: the lowest failing rank's, with its type.
+
+    The type that travels is the nearest built-in one (a class of the user's
+    may not unpickle elsewhere), and the message names the original type
+    where they differ; ranks that did not fail raise it ``from`` nothing.
+    """
+    if not any_failed(comm, error is not None, label):
+        return
+    report = None
+    if error is not None:
+        kind = next(k for k in type(error).__mro__ if k.__module__ == "builtins")
+        prefix = "" if kind is type(error) else f"{type(error).__name__}: "
+        report = (kind, prefix + str(error))
+    reports = watched_allgather(comm, report, label)
+    failed_ranks = [rank for rank, entry in enumerate(reports) if entry is not None]
+    kind, message = reports[failed_ranks[0]]
+    if len(failed_ranks) < len(reports):
+        message += f" (found on rank(s) {failed_ranks})"
+    try:
+        agreed = kind(message)
+    except Exception:  # a built-in type that wants more arguments (UnicodeDecodeError...)
+        agreed = RuntimeError(f"{kind.__name__}: {message}")
+    raise agreed from error
+
+
+def agree_facts(comm, facts: list[int], problem: bool, describe, what: str, label: str) -> None:
+    """Raise ``ValueError(what + each rank's describe())`` on every rank unless all ranks'
+    ``facts`` are equal and no rank has a ``problem``.
+
+    One allreduce of the maxima of the facts and of their negatives, on the
+    communicator a pool would hand the next collective (all ranks take the
+    same one); the descriptions travel only when something differs.
+    """
+    facts = [*facts, int(problem)]
+    both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
+    base = _collective_comm(comm)
+    slot = _watchdog.begin(label)
+    try:
+        base.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
+    finally:
+        slot.current = None
+    n = len(facts)
+    if (both[:n] == -both[n:]).all() and not both[n - 1]:
+        return
+    raise ValueError(f"{what} "
+                     f"{by_rank(watched_allgather(base, describe(), label))}")

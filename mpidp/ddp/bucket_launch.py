@@ -1,0 +1,142 @@
+"""Handing ready buckets to communication, in bucket order, and waiting for them.
+
+``BucketLauncher`` is the part of ``mpidp.ddp.reducer.Reducer`` between a full
+bucket and its reduced values: buckets go out strictly in bucket order (a
+bucket ready early waits for the ones before it, so every rank issues the
+same collectives in the same order), each to the overlap strategy
+(``mpidp.ddp.overlap``) or to the registered comm hook, with its bytes and
+collectives counted for ``DistributedDataParallel.stats()`` and a profiler
+range when one is recording; ``_drain`` waits for all of them at the end of
+the backward. A reduction that raises on one rank aborts the job, because
+the other ranks already wait in its collectives (``_fatal_on_error``).
+
+It is a mixin of ``Reducer`` and has no constructor; the reducer provides
+``buckets``, ``layout``, ``params``, ``_position``, ``strategy``,
+``comm_hook``, ``record``, ``timeout``, ``world``, ``_steps``, ``_futures``,
+``_first_start``, ``_step_bytes`` and ``_step_collectives``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+
+import torch
+
+from .. import runtime
+from .. import watchdog as _watchdog
+from .buckets import Bucket
+from ..comm import chunking as _chunking
+from ..hooks.basics import GradBucket
+from .step import Step
+
+__all__ = ["TIMEOUT_SOURCE", "BucketLauncher"]
+
+TIMEOUT_SOURCE = "DistributedDataParallel(timeout=)"  # where a stall report says the timeout came from
+
+
+def _bucket_label(step: int, index: int, count: int, buffer: torch.Tensor) -> str:
+    """How a stall report names a bucket's allreduce (built only for a report)."""
+    size = buffer.numel() * buffer.element_size()
+    amount = f"{size / 2**20:.1f} MB" if size >= 2**20 // 10 else f"{size / 1024:.1f} KB"
+    return f"DDP step {step} bucket {index}/{count} ({amount})"
+
+
+class BucketLauncher:
+    """Launches the ready buckets of a step in order and drains them (a mixin of ``Reducer``)."""
+
+    def _launch_ready(self, step: Step) -> None:
+        # A bucket ready early waits for the ones before it: every rank must
+        # issue the allreduces in the same order.
+        while step.next_launch < len(self.buckets) and step.pending[step.next_launch] == 0:
+            bucket = self.buckets[step.next_launch]
+            step.next_launch += 1
+            with _watchdog.Scope(_bucket_label, self._steps, step.next_launch, len(self.buckets),
+                                 bucket.buffer, timeout=self.timeout, source=TIMEOUT_SOURCE):
+                self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        if not self.record:
+            self._reduce(bucket)
+            return
+        buffer = bucket.buffer
+        size = buffer.numel() * buffer.element_size()
+        if self._first_start is None:
+            self._first_start = time.perf_counter()
+        self._step_bytes += size
+        if not torch._C._autograd._profiler_enabled():  # a range costs ~10 us even unobserved
+            self._step_collectives += self._reduce(bucket)
+            return
+        hook = self.comm_hook
+        label = (f"mpidp.DDP bucket {self._position[id(bucket)]} {size / 2**20:.2f} MiB "
+                 f"{getattr(hook[1], '__name__', 'hook') if hook else 'allreduce'}")
+        with torch.profiler.record_function(label):
+            self._step_collectives += self._reduce(bucket)
+
+    def _reduce(self, bucket: Bucket) -> int:
+        """Hand a bucket to the strategy, or to the hook; returns the collectives (chunks or 1)."""
+        hook = self.comm_hook
+        buffer = bucket.buffer
+        if hook is None:
+            self._launch(bucket)
+            per_chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, buffer.element_size())
+            return max(1, -(-buffer.numel() // per_chunk))  # as chunking.pieces cuts it
+        position = self._position[id(bucket)]
+        members = self.layout[position]
+        gradients = (bucket.views if not bucket.solo
+                     else [buffer.view(self.params[members[0]].shape)])
+        grad_bucket = GradBucket(position, buffer, gradients, [self.params[i] for i in members],
+                                 position == len(self.buckets) - 1)
+        future = hook[1](hook[0], grad_bucket)
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(f"a comm hook must return a torch.futures.Future, "
+                            f"{getattr(hook[1], '__name__', hook[1])!r} returned "
+                            f"{type(future).__name__}")
+        # One bucket's hook at a time: a hook that chains collectives in its
+        # future's callbacks (torch's PowerSGD does) would otherwise issue
+        # them from another thread interleaved with the next bucket's, in an
+        # order that differs between ranks.
+        future.wait()
+        self._futures.append((bucket, future))
+        return 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        with self._fatal_on_error():
+            self.strategy.start(bucket.buffer, bucket.divisor)
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self):
+        """Abort the job when the strategy's own reduction raises (more than one rank).
+
+        Raising is not enough: the other ranks are waiting in the bucket
+        collectives this rank was issuing (under "thread" the thread also skips
+        every later bucket), and whether the failed call had issued its own
+        cannot be known, so no later collective can line the ranks up again.
+        Seen before this rule, one rank's reduction raising once and caught:
+        the other ranks hung under every strategy, or (under "thread", when
+        they went on too) one step's buckets met the next step's and the
+        models silently diverged (tests/mpi/reduction_fails_on_one_rank.py).
+        """
+        try:
+            yield
+        except Exception as error:
+            if self.world == 1:
+                raise
+            why = (f"DistributedDataParallel: the gradient reduction of step {self._steps} "
+                   f"failed on this rank while the other ranks wait in its collectives; "
+                   f"aborting the MPI job. Traceback:")
+            runtime._abort([f"{type(error).__name__}: {error}", why,
+                            "".join(traceback.format_exception(error))], 1)
+
+    def _drain(self) -> None:
+        """Wait for every reduction of the step: the strategy's, and the hook's futures."""
+        with self._fatal_on_error():
+            self.strategy.finish()
+        futures, self._futures = self._futures, []
+        for bucket, future in futures:
+            value = future.wait()
+            if isinstance(value, (list, tuple)):  # as torch's reducer accepts
+                value = value[0]
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value.reshape(-1))

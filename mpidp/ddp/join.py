@@ -1,0 +1,195 @@
+"""DistributedDataParallel.join(): training on uneven inputs, as torch's.
+
+Every synced step is a set of collectives that every rank must issue: the
+buffer broadcast, the bucket allreduces, the bookkeeping allreduce, and the
+collectives of SyncBatchNorm layers. A rank whose data ran out first would
+leave the others waiting in them; inside ``join()`` it instead shadows them,
+issuing the same collectives with zeros, until every rank has run out, and
+then the model of the last rank to leave is broadcast to all.
+
+``JoinMixin`` is the part of ``DistributedDataParallel`` that does this. It
+has no constructor; the DDP provides ``module``, ``pool``, ``control``,
+``reducer``, ``_join`` (the active ``JoinConfig`` or None), ``_comm_hook``,
+``_sink``, ``forward_sync_buffers``, ``require_backward_grad_sync``,
+``_buffers_to_sync()`` and ``_connect()``, and calls ``_notify_join`` from
+each grad-enabled forward inside the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from mpi4py import MPI
+
+from .. import _args
+from .. import comm as _comm
+from .. import runtime
+from . import syncbn
+from .replica import broadcast_coalesced
+
+__all__ = ["JoinConfig", "JoinMixin"]
+
+
+class JoinMixin:
+    """``join()`` and the shadowing of the active ranks' steps (a mixin of the DDP)."""
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs: ranks that ran out of data shadow the others until all have.
+
+        torch's ``DistributedDataParallel.join``. Inside the context, every
+        grad-enabled forward tells the other ranks that this rank is still
+        active (one small allreduce). A rank that leaves the context (its data
+        ran out) then stands in for every synced step the others still take:
+        it broadcasts the buffers with them and reduces zeros in every bucket.
+        When every rank has left, the model of the last rank to leave (the
+        highest such rank) is broadcast to all, as torch does.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size
+                (joined ranks count as zeros), or by the number of ranks still
+                active in that step (False).
+            enable: False makes the context do nothing.
+            throw_on_early_termination: raise on every rank, at the first step
+                after any rank ran out of data, instead of shadowing.
+        """
+        for name, value in (("divide_by_initial_world_size", divide_by_initial_world_size),
+                            ("enable", enable),
+                            ("throw_on_early_termination", throw_on_early_termination)):
+            _args.check_bool(name, value)
+        if not enable:
+            yield
+            return
+        if self._join is not None:
+            raise RuntimeError("DistributedDataParallel.join() is already active; do not nest it")
+        if self._comm_hook is not None:
+            raise RuntimeError("DistributedDataParallel.join() does not support a comm hook: "
+                               "a joined rank cannot run the hook's collectives in step; give "
+                               "every rank the same number of batches")
+        if self._sink is not None:
+            raise RuntimeError("DistributedDataParallel.join() cannot shadow a stage-2 "
+                               "ZeroRedundancyOptimizer's step (its parameter allgather); give "
+                               "every rank the same number of batches (DistributedSampler with "
+                               "drop_last=True)")
+        if self.reducer is None:
+            self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
+        layers = [m for m in self.module.modules() if isinstance(m, syncbn.SyncBatchNorm)]
+        if layers and runtime.thread_level() < MPI.THREAD_MULTIPLE:
+            raise ValueError("join() with mpidp.SyncBatchNorm layers needs MPI_THREAD_MULTIPLE "
+                             "(a joined rank stands in for their backward collectives from a "
+                             "second thread), but MPI granted a lower thread level")
+        config = self._join = JoinConfig(divide_by_initial_world_size, throw_on_early_termination)
+        # The last step's order of SyncBatchNorm collectives on this rank: what
+        # it replays with zeros once joined (module order if it never ran a step).
+        config.trace = ([(layer, "stats") for layer in layers] +
+                        [(layer, "grads") for layer in reversed(layers)])
+        if layers:
+            syncbn.record([])
+        try:
+            yield
+        except BaseException:
+            self._join = None  # as torch: the exception goes on, no shadowing
+            self.reducer.set_divisor(self.pool.size)
+            syncbn.record(None)
+            raise
+        if layers:
+            config.trace = syncbn.record(None) or config.trace
+        try:
+            self._shadow_until_all_joined(config)
+        finally:
+            self._join = None
+            self.reducer.set_divisor(self.pool.size)
+
+    def _join_verdict(self, active: torch.Tensor, config: "JoinConfig") -> tuple[int, int]:
+        """From the summed activity vector: (active ranks, the highest of them); maybe raise."""
+        world = self.pool.size
+        ranks = active[:world].nonzero().flatten().tolist()
+        if config.throw and len(ranks) < world:
+            joined = sorted(set(range(world)) - set(ranks))
+            raise RuntimeError(f"DistributedDataParallel.join: rank(s) {joined} ran out of inputs "
+                               f"and throw_on_early_termination=True, so every rank raises")
+        return len(ranks), ranks[-1] if ranks else -1
+
+    def _notify_join(self) -> int:
+        """An active rank's forward inside join(): say so; return the buffers' source rank."""
+        world, rank = self.pool.size, self.pool.rank
+        active = torch.zeros(world + 1, dtype=torch.int64)
+        active[rank] = 1
+        active[world] = int(self.require_backward_grad_sync)
+        _comm.allreduce(active, "sum", comm=self.control)
+        count, authority = self._join_verdict(active, self._join)
+        if syncbn._trace is not None:  # a new step: the last one's order is complete
+            self._join.trace = syncbn.record([]) or self._join.trace
+        self.reducer.set_divisor(world if self._join.divide_by_initial else count)
+        # torch's rule under join: buffers come from the highest active rank,
+        # since rank 0 may have joined and hold stale ones.
+        return authority
+
+    def _shadow_until_all_joined(self, config: "JoinConfig") -> None:
+        world, rank = self.pool.size, self.pool.rank
+        last_joiner = True
+        while True:
+            active = torch.zeros(world + 1, dtype=torch.int64)
+            _comm.allreduce(active, "sum", comm=self.control)
+            if not active[:world].any():
+                break
+            last_joiner = False
+            _, authority = self._join_verdict(active, config)
+            if active[world]:  # the active ranks' forward will sync (not inside no_sync)
+                buffers = self._buffers_to_sync() if self.forward_sync_buffers else []
+                if buffers and world > 1:
+                    broadcast_coalesced(buffers, authority, comm=self.control)
+            for layer, kind in config.trace:
+                if kind == "stats":
+                    layer._shadow_forward()
+            self._shadow_backward([layer for layer, kind in config.trace if kind == "grads"],
+                                  buckets=bool(active[world]))
+        # Every rank has joined: the last one to join holds the final model.
+        source = torch.tensor([rank if last_joiner else -1], dtype=torch.int64)
+        _comm.allreduce(source, "max", comm=self.control)
+        if world > 1:
+            broadcast_coalesced(list(self.module.parameters()) +
+                                (self._buffers_to_sync() if self.forward_sync_buffers else []),
+                                int(source), comm=self.control)
+
+    def _shadow_backward(self, layers: list, buckets: bool) -> None:
+        # The active ranks' backward interleaves the SyncBatchNorm collectives
+        # (on their communicator) with the bucket allreduces (on the pool) in an
+        # order only their autograd engine knows; a second thread takes the
+        # layers' part so that neither sequence can block the other. (MPI never
+        # matches a nonblocking collective with a blocking one, so posting them
+        # nonblocking would not do.)
+        failure: list[BaseException] = []
+
+        def layers_part():
+            try:
+                for layer in layers:
+                    layer._shadow_backward()
+            except BaseException as error:  # re-raised below, on this thread
+                failure.append(error)
+
+        helper = threading.Thread(target=layers_part, name="mpidp-join-syncbn", daemon=True)
+        if layers:
+            helper.start()
+        try:
+            if buckets:
+                self.reducer.shadow()
+        finally:
+            if layers:
+                helper.join()
+        if failure:
+            raise failure[0]
+
+
+class JoinConfig:
+    """The settings of one ``join()`` context."""
+
+    __slots__ = ("divide_by_initial", "throw", "trace")
+
+    def __init__(self, divide_by_initial: bool, throw: bool):
+        self.divide_by_initial = divide_by_initial
+        self.throw = throw
+        self.trace: list = []  # (SyncBatchNorm layer, "stats" or "grads") in call order

@@ -1,0 +1,140 @@
+"""A large all_reduce of the backend as chunks, one in flight at a time.
+
+The progress thread advances a ``Chunks`` without blocking (docs/concurrency.md,
+rules 3, 6 and 7); below ``MPI_THREAD_MULTIPLE`` the calling thread runs every
+chunk as a blocking call. ``mpidp.comm.chunking`` cuts the tensor: it is the one
+place that says how large a chunk is and how a buffer is cut.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import comm as _comm
+from ..comm import chunking as _chunking
+from ..comm import collectives as _collectives
+
+__all__ = ["Chunks"]
+
+
+class Chunks:
+    """A large all_reduce as chunks of ``chunk_bytes``, one in flight (see mpidp.process_group.progress).
+
+    Args:
+        tensor: what the chunks reduce in place (host memory where the library cannot
+            read device memory).
+        op: the reduce op's name in ``mpidp.comm``.
+        comm: the group's chunk communicator.
+        chunk_bytes: the most bytes a chunk holds.
+        stage_from: ``(device tensor, event recorded on the caller's stream)``: first
+            copy that tensor into ``tensor`` (pinned) on the progress thread's side
+            stream after the event, polled rather than waited on (rule 6). The caller
+            then returns at once, as autograd's thread must to keep queueing the backward.
+
+    ``gate``, set by the caller: the call's fingerprint check (``mpidp.process_group.work.CallCheck``);
+    the first chunk starts once it agrees, and a mismatch raises on every rank with no
+    chunk started.
+    """
+
+    def __init__(self, tensor: torch.Tensor, op: str, comm, chunk_bytes: int, *,
+                 stage_from: tuple | None = None):
+        self.pieces = list(_chunking.pieces(tensor, chunk_bytes))
+        self.op, self.comm = op, comm
+        self._next = 0
+        self._handle: _comm.Handle | None = None
+        self._host = tensor
+        self.moved = False  # a chunk started since the progress thread last looked
+        self._stage_from = stage_from
+        self._staged = None  # the side stream's event once the copy is queued
+        self.gate = None  # a work.CallCheck: no chunk starts before every rank agrees
+
+    def _staging_done(self) -> bool:
+        if self._stage_from is None:
+            return True
+        source, ready = self._stage_from
+        if self._staged is None:
+            stream = _side_stream(source.device)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                self._host.copy_(source, non_blocking=True)
+                source.record_stream(stream)
+                self._staged = torch.cuda.Event()
+                self._staged.record(stream)
+        if not self._staged.query():
+            return False
+        self._stage_from = None
+        return True
+
+    def advance(self) -> bool:
+        """Start the next chunk once the last one is done; True when all are (progress thread)."""
+        if self.gate is not None:
+            if not self.gate.handle.is_completed():
+                return False
+            error, self.gate = self.gate.error(), None
+            if error is not None:  # chunk counts may differ: none starts, on any rank
+                self._next = len(self.pieces)
+                raise error
+        if not self._staging_done():
+            return False
+        while True:
+            if self._handle is not None:
+                if not self._test_in_flight():
+                    return False
+                self._handle = None
+            if self._next == len(self.pieces):
+                return True
+            # no MPIDP_DEBUG check per chunk: the gate checked the whole call, and that
+            # check would be a collective step inside the progress loop's own test
+            self._handle = _collectives._allreduce(self.pieces[self._next], self.op, self.comm,
+                                                   True, debug=False)
+            self._next += 1
+            self.moved = True
+
+    def _test_in_flight(self) -> bool:
+        """Test the chunk in flight back to back for up to ``burst_seconds``; True once done.
+
+        MPICH moves a large nonblocking allreduce on only inside a test, and the
+        progress loop yields the core between two of its rounds (time.sleep(0)), which
+        slowed each chunk several times over (docs/performance.md, "Figures behind the code's choices"). A burst is still bounded: the
+        progress thread never blocks (docs/concurrency.md, rule 3). Where a node holds
+        more ranks than cores, a burst keeps a core from the peer whose turn it is, so
+        ``set_burst`` turns it off there.
+        """
+        request = self._handle
+        until = time.perf_counter() + burst_seconds
+        while not request.is_completed():
+            if time.perf_counter() > until:
+                return False
+        return True
+
+    def run(self) -> None:
+        """All the chunks as blocking calls on this thread (below MPI_THREAD_MULTIPLE)."""
+        if self._stage_from is not None:
+            self._host.copy_(self._stage_from[0])  # on the caller's stream, synchronously
+            self._stage_from = None
+        for piece in self.pieces[self._next:]:
+            _collectives._allreduce(piece, self.op, self.comm, False, debug=False)
+        self._next = len(self.pieces)
+
+    def in_flight(self) -> list:
+        gate = [] if self.gate is None else [self.gate.handle]
+        return gate + ([] if self._handle is None else [self._handle])
+
+
+burst_seconds = 2e-3  # testing the chunk in flight per advance(), at most (set_burst)
+
+
+def set_burst(ranks_on_node: int, cores: int) -> None:
+    """Test chunks in bursts only where every rank of the node can have a core of its own."""
+    global burst_seconds
+    burst_seconds = 2e-3 if ranks_on_node <= cores else 0.0
+
+_side_streams: dict = {}  # device -> the progress thread's staging stream (that thread only)
+
+
+def _side_stream(device: torch.device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]

@@ -1,0 +1,497 @@
+"""The torch.distributed backend's Works: pending operations, their futures, waiting on them.
+
+A ``Work`` is what an asynchronous call of the backend ``"mpidp"`` returns: the
+started requests (or a chunked all_reduce, ``mpidp.process_group.chunks``) and the tensors
+torch gets. The progress thread (``mpidp.process_group.progress``) completes it, or a thread
+that waits on its own requests does; ``Done`` is a Work that completed before
+it was returned, and ``All`` several as one. The numbered rules cited here
+("rule 4") are docs/concurrency.md's, the one list for all of mpidp.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .. import comm as _comm
+from .. import errors as _errors
+from ..comm import checks as _checks
+from .. import watchdog as _watchdog
+from .chunks import Chunks
+from .progress import progress
+
+__all__ = ["All", "CallCheck", "CallMismatch", "Done", "Work", "abandon", "blocking", "checked_wait", "new_future",
+           "wait_request"]
+# mpidp.process_group.work.Chunks and mpidp.process_group.work.progress name what they named before chunks.py and
+# progress.py were split off.
+
+
+def new_future(result) -> torch.futures.Future:
+    """An unset future for ``result``, on the CUDA devices its tensors live on (if any)."""
+    devices = sorted({str(t.device) for t in result if t.is_cuda})
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+def _settle_future(future, result, error) -> None:
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _devices(result) -> list:
+    return sorted({t.device for t in result if isinstance(t, torch.Tensor) and t.is_cuda},
+                  key=str)
+
+
+class CallMismatch(ValueError):
+    """Ranks made a collective call that differs (raised alike on every rank)."""
+
+
+class CallCheck:
+    """The fingerprint of an operation, allreduced with MAX beside it (mpidp.comm.checks).
+
+    Started on the calling thread right after the operation, on the same pool, so every
+    rank starts both in the same order; an operation that raised on this rank before it
+    started (its arguments) took no pool member and starts no check. It completes as
+    soon as every rank has started it, whatever the operation does, so a Work tests it
+    first. Then ``error()`` is the same on every rank: None, or the ValueError that
+    names what differs. A raw mpi4py Iallreduce of a numpy buffer, without mpidp.comm's
+    checks and staging, tested with the operation's requests in one ``MPI_Testall``
+    (``checked_wait``); its cost is in bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it).
+    """
+
+    _LABEL = "allreduce of 10 int64, the call check of a torch.distributed operation"
+    _scope = None  # what the watchdog names it under: the operation's own label says it all
+
+    def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool):
+        self.call = call
+        self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
+        self.reduced = np.frombuffer(bytearray(self._own), np.int64)
+        self._request = _comm._collective_comm(pool).Iallreduce(
+            MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
+        self._label = (call + " (its call check)", tensor)  # formatted only in a report
+
+    @property
+    def handle(self) -> "CallCheck":
+        """What a Work tests and waits on like an ``mpidp.comm.Handle``: the check itself
+        (a Handle costs a microsecond more per call, on every call)."""
+        return self
+
+    def is_completed(self) -> bool:
+        try:
+            return self._request.Test()
+        except MPI.Exception as error:
+            raise _errors.mpi_failure(self._LABEL, error) from error
+
+    def wait(self) -> np.ndarray:
+        slot = _watchdog.begin(self._label, None, True)
+        try:
+            self._request.Wait()
+        except MPI.Exception as error:
+            raise _errors.mpi_failure(self._LABEL, error) from error
+        finally:
+            slot.current = None
+        return self.reduced
+
+    def error(self) -> CallMismatch | None:
+        problem = _checks.fingerprint_problem(self.reduced, self._own)
+        return None if problem is None else CallMismatch(f"{self.call}: {problem}")
+
+
+def abandon(kept: list) -> None:
+    """Keep what MPI may still write into referenced for good (a failed Work's requests)."""
+    if kept:  # list.append is atomic: callable with progress.lock held (from _test) or not
+        progress._abandoned.append(kept)
+
+
+def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> None:
+    """Wait on ``handles`` in order; once ``check``'s request (the first) is done, raise its
+    error, the others' requests abandoned with ``result`` (a mismatched call may never end).
+
+    Most calls end within the first microseconds: a spin of ``MPI_Testall`` over the raw
+    requests, one C call a round, finds that (bench/check_cost.py; docs/performance.md, "Figures behind the code's choices").
+    Testall completes all or none, so
+    what is still pending after the spin goes the ordered way, check first.
+    """
+    if len(handles) > 1 and _all_done_soon(handles):
+        error = check.error() if check is not None else None
+        if error is not None:  # every request is done: none is left to abandon
+            raise error
+        return
+    for index, handle in enumerate(handles):
+        wait_request(handle, deadline)
+        if check is not None and handle is check.handle:
+            error = check.error()
+            if error is not None:
+                abandon([handles[index + 1:], result])
+                raise error
+
+
+_FAST_SPIN_SECONDS = 200e-6  # longer waits go request by request (watchdog, deadline)
+
+
+def _all_done_soon(handles: list) -> bool:
+    """Spin ``MPI_Testall`` on the handles' requests briefly; True when all are done (and settled)."""
+    requests = [handle._request for handle in handles]
+    if any(request is None for request in requests):
+        return False
+    until = time.perf_counter() + _FAST_SPIN_SECONDS
+    try:
+        while not MPI.Request.Testall(requests):
+            if time.perf_counter() > until:
+                return False
+    except MPI.Exception:
+        return False  # the ordered way tests each one and names the one that failed
+    for handle in handles:
+        handle.is_completed()  # a freed request tests done at once: runs its finish
+    return True
+
+
+class Work(dist.Work):
+    """A pending collective or message: mpidp.comm handles (or Chunks), the tensors torch gets.
+
+    Args:
+        handles: started requests, completed in order.
+        result: what ``result()`` and the future give.
+        finish: run once the requests are done (copies back, divisions).
+        group: the group that issued it (its name, timeout and order).
+        ordered: completes in the group's order (collectives); False for messages.
+        source: a receive whose status names the sender.
+        chunks: a chunked all_reduce, driven by the progress thread.
+        label: what it is, for stall reports and errors (see ``mpidp.watchdog``).
+        deadline: ``time.monotonic()`` after which it fails (the group's timeout).
+        check: the call's fingerprint check (``CallCheck``), its request first in
+            ``handles``: once done, a mismatch fails the Work on every rank at once,
+            whatever the operation's own requests do.
+    """
+
+    def __init__(self, handles, result, *, finish=None, group=None, ordered=True, source=None,
+                 chunks: Chunks | None = None, label=None, deadline: float | None = None,
+                 check: CallCheck | None = None):
+        super().__init__()
+        self._check = check  # its request is handles[0], or the chunks' gate
+        self._handles = list(handles)
+        self._result = result
+        self._finish = finish
+        self._group = group
+        self._ordered = ordered and group is not None
+        self._source = source
+        self._chunks = chunks
+        self._label = label
+        self._scope = _watchdog.context()
+        self._since = time.monotonic()
+        self._deadline = deadline
+        self._state = "pending"  # -> "claimed" (a thread waits on its requests) -> "done"
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future = None
+        self._future_set = False
+        self._events: list = []  # CUDA: recorded after the progress thread's copy-back
+        self._tracked = False  # the progress thread completes it (else wait/is_completed)
+
+    # -- on the thread that completes it ------------------------------------------------
+
+    def _test(self) -> bool:
+        """Advance without blocking; True once done (under progress.lock)."""
+        try:
+            if self._chunks is not None:
+                if not self._chunks.advance():
+                    return False
+            else:
+                while self._handles:
+                    if not self._handles[0].is_completed():
+                        return False
+                    self._verify(self._handles.pop(0))
+            if self._finish is not None:
+                self._finish()
+            # Host staging copies back inside a handle's completion (comm._stage) or in
+            # finish, both queued on this thread's streams: wait() on any other stream
+            # must wait for them, so events are recorded whichever path copied.
+            self._record_events()
+        except Exception as error:  # the future and wait() report it
+            self._error = error
+        self._set_done()
+        return True
+
+    def _verify(self, handle) -> None:
+        """After ``handle`` completed: raise the call check's error if it was that check's."""
+        if self._check is not None and handle is self._check.handle:
+            error, self._check = self._check.error(), None
+            if error is not None:
+                abandon([self._handles, self._result])
+                self._handles, self._finish = [], None
+                raise error
+
+    def _set_done(self) -> None:
+        self._state = "done"
+        self._done.set()
+
+    def _record_events(self) -> None:
+        # on each result device's current stream of this thread: the one its copy-back used
+        for device in _devices(self._result):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events.append(event)
+
+    def _fail(self, error: BaseException) -> list:
+        """Mark failed (under progress.lock); return what MPI may still touch."""
+        kept = self._handles + (self._chunks.in_flight() if self._chunks is not None else [])
+        self._handles, self._chunks, self._finish = [], None, None
+        self._error = error
+        self._set_done()
+        return [kept, self._result] if kept else []
+
+    def _complete_future(self) -> None:
+        with progress.lock:
+            future = self._future
+            if future is None or self._future_set:
+                return
+            self._future_set = True
+        if isinstance(self._error, CallMismatch):  # a future taken while pending, as torch's
+            progress.end_job_for(self, "failed")  # DDP does: its C++ crashes on the failure
+        _settle_future(future, self._result, self._error)
+
+    def describe(self) -> str:
+        return _watchdog._label_text(self._label)
+
+    def timeout_error(self) -> dist.DistBackendError:
+        group = self._group
+        seconds = group.timeout_seconds() if group is not None else 0
+        return dist.DistBackendError(
+            f"mpidp: {self.describe()} on {group!r} did not complete within the group's "
+            f"timeout of {seconds:g} s: some rank did not make the same call (or is still "
+            f"busy). MPI cannot cancel a collective, so end the job (an uncaught error does; "
+            f"mpidp.watchdog names the ranks that stall when MPIDP_TIMEOUT is set)")
+
+    # -- torch's Work API ---------------------------------------------------------------
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0
+        explicit = time.monotonic() + seconds if seconds > 0 else None
+        # As on a CUDA stream, a later operation of a group completes after the earlier
+        # ones: finish those first, so futures (and their callbacks) complete in order.
+        for earlier in progress.before(self):
+            earlier._wait_own(explicit)
+        return self._wait_own(explicit)
+
+    def _wait_own(self, explicit: float | None) -> bool:
+        deadline = explicit if explicit is not None else self._deadline
+        if self._state != "done":
+            if progress.in_thread():
+                progress.drive(self, deadline)  # a callback's collective (rule 3)
+            elif self._chunks is not None or not self._claim():
+                self._sleep_until_done(deadline, explicit is not None)
+            else:
+                self._wait_claimed(deadline, explicit is not None)
+        for event, device in zip(self._events, _devices(self._result)):
+            torch.cuda.current_stream(device).wait_event(event)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _claim(self) -> bool:
+        with progress.lock:
+            claimed = self._state == "pending"
+            if claimed:
+                self._state = "claimed"
+        return claimed
+
+    def _wait_claimed(self, deadline, explicit: bool) -> None:
+        """Wait on this Work's own requests on this thread (rule 4)."""
+        try:
+            while self._handles:
+                wait_request(self._handles[0], deadline)
+                self._verify(self._handles.pop(0))
+            if self._finish is not None:
+                self._finish()
+        except TimeoutError:
+            self._unclaim(explicit)
+            return
+        except Exception as error:
+            self._error = error
+        self._finish_claimed()
+
+    def _unclaim(self, explicit: bool) -> None:
+        """Past the deadline: give the Work back to the progress thread, or fail it."""
+        with progress.lock:
+            self._state = "pending"  # the progress thread (or a later wait) goes on
+        progress.wake()
+        if explicit:
+            raise TimeoutError(f"Work.wait: {self.describe()} did not complete within the "
+                               f"timeout (it goes on; wait again to finish it)")
+        progress.expire(self)
+
+    def _finish_claimed(self) -> None:
+        with progress.lock:
+            self._set_done()
+        progress.wake()  # the group's queue may move on
+        self._complete_future()
+
+    def _sleep_until_done(self, deadline, explicit: bool) -> None:
+        progress.wake()
+        while not self._done.wait(None if deadline is None else
+                                  max(0.0, deadline - time.monotonic())):
+            if explicit:
+                raise TimeoutError(f"Work.wait: {self.describe()} did not complete within the "
+                                   f"timeout (it goes on; wait again to finish it)")
+            progress.expire(self)
+
+    def is_completed(self) -> bool:
+        if self._state == "pending":
+            if self._tracked:
+                progress.wake()
+            else:  # below MPI_THREAD_MULTIPLE: only the program's thread may test it
+                with progress.lock:
+                    if self._state == "pending":
+                        self._test()
+                if self._state == "done":
+                    self._complete_future()
+        return self._state == "done"
+
+    def is_success(self) -> bool:
+        return self._state == "done" and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        if not self._tracked and self._state == "pending":
+            # below MPI_THREAD_MULTIPLE nothing else would complete it: finish it now
+            try:
+                self._wait_own(None)
+            except Exception:  # kept in self._error: the future carries it
+                pass
+        with progress.lock:
+            if self._future is None:
+                self._future = new_future(self._result)
+            done = self._state == "done" and not self._future_set
+            if done:
+                self._future_set = True
+        if done:
+            _settle_future(self._future, self._result, self._error)
+        return self._future
+
+    def source_rank(self) -> int:
+        if self._source is None:
+            raise ValueError("source_rank() is only available for a receive from any source")
+        return self._source.status.Get_source()
+
+    _source_rank = source_rank
+
+
+_SPIN_SECONDS = 0.05  # a wait tests without sleeping this long, then backs off to 1 ms
+
+
+def wait_request(handle: _comm.Handle, deadline: float | None) -> None:
+    """``handle.wait()``, or raise TimeoutError at ``deadline``.
+
+    MPI has no timed wait, so this tests the request: without sleeping for
+    ``_SPIN_SECONDS`` (a nonblocking collective moves only inside MPI calls, and a
+    sleep between tests stalls it: docs/performance.md, "Figures behind the code's choices"), then sleeping from 20 us doubling to
+    1 ms, so a rank that waits on a late peer does not hold a core.
+    """
+    if deadline is None:
+        handle.wait()
+        return
+    if handle.is_completed():
+        return
+    slot = _watchdog.begin(handle._label, handle._scope, True)
+    try:
+        spin_until, sleep = time.monotonic() + _SPIN_SECONDS, 0.0
+        while not handle.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError("the operation did not complete before its deadline")
+            if now > spin_until:
+                sleep = min(max(2 * sleep, 20e-6), 1e-3)
+                time.sleep(sleep)
+    finally:
+        slot.current = None
+
+
+class Done(dist.Work):
+    """A Work that completed before it was returned (blocking calls; below THREAD_MULTIPLE)."""
+
+    def __init__(self, result, source=None):
+        super().__init__()
+        self._result = result
+        self._source = source
+        self._future = None
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = new_future(self._result)
+            self._future.set_result(self._result)
+        return self._future
+
+    def source_rank(self) -> int:
+        if self._source is None:
+            raise ValueError("source_rank() is only available for a receive from any source")
+        return self._source
+
+    _source_rank = source_rank
+
+
+_local = threading.local()
+
+
+def blocking(result) -> Done:
+    """What a blocking call (asyncOp False) returns: one completed Work per thread, reused.
+
+    torch waits on it and drops it; creating a Work costs about a microsecond.
+    Per thread, so two threads' blocking calls never see each other's result.
+    """
+    try:
+        done = _local.blocking
+    except AttributeError:
+        done = _local.blocking = Done([])
+    done._result = result
+    return done
+
+
+class All(dist.Work):
+    """Several Works as one (``_coalescing_manager``'s)."""
+
+    def __init__(self, works):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        for work in self._works:
+            work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def result(self) -> list[torch.Tensor]:
+        return [t for work in self._works for t in work.result()]
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(
+            lambda _: self.result())

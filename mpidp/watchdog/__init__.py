@@ -1,0 +1,449 @@
+"""The stall watchdog: when an mpidp collective waits too long, say which rank waits where.
+
+An MPI hang is silent: the ranks sit in their calls forever. torch's
+watchdog and Horovod's stall inspector turn that into a message; this is
+mpidp's. This module records the calls and watches them; what a rank then
+says, and rank 0's summary of every rank's state, are ``mpidp.watchdog.report``'s.
+
+**What is recorded.** Every blocking MPI call mpidp makes (the ``mpidp.comm``
+collectives and point-to-point calls, ``Handle.wait()``, and through them
+DDP's bucket allreduces, buffer broadcasts and per-step bookkeeping
+allreduce) stores ``(label, time.monotonic(), scope, waiting)`` in a
+per-thread slot before the call and None after it: a thread-local lookup, one
+clock read, a tuple and two attribute stores. Nothing is formatted and no
+stack is captured on that path (``bench/watchdog_bench.py`` measures it). A label is a
+string, a callable, or a ``(name, tensor, key, value, ...)`` tuple, formatted
+only when a report is due. ``Scope`` blocks say what the calls inside are for
+(DDP names its step, bucket and size with them) and may set their timeout.
+
+**The watchdog thread.** A daemon thread, started by ``start()`` or the first
+recorded call, wakes every min(timeout / 4, 1 s). When a call has waited
+longer than its timeout, the rank prints one line on stderr, once per call:
+what it waits in, and the call site (``stall_report`` shows it).
+
+**The watchdogs' communicator.** ``start()`` duplicates ``MPI.COMM_WORLD``
+for the watchdogs alone, over which rank 0 gathers the summary. It is
+collective, so it must run at a moment every rank passes in the same order
+of ``COMM_WORLD`` collectives. The best one is the import of mpidp, whose
+start-up is collective already; the creation of the default pool and the
+construction of a DDP over ``COMM_WORLD``, both collective over
+``COMM_WORLD`` themselves, call it too, and the first of these moments
+creates it (later calls do nothing). It is made whatever the timeout, so
+that every rank takes part even where the timeouts differ. If rank 0 cannot
+summarise, each stalled rank aborts the job by itself
+``_SELF_ABORT_SECONDS`` after its own line.
+
+**Timeouts.** The process-wide timeout is ``MPIDP_TIMEOUT`` (seconds, a
+number; default 600; 0 turns the watchdog off), replaced by
+``set_timeout()``. A ``Scope`` with a timeout sets it for the calls inside:
+``DistributedDataParallel(timeout=...)`` puts the collectives of its steps
+(bucket allreduces, the bookkeeping allreduce, buffer broadcasts) under its
+own timeout, longer or shorter than the process-wide one (0: never watched);
+everything else keeps the process-wide one. ``MPIDP_TIMEOUT_ACTION=report``
+only prints: the job goes on, and a later stall is reported again.
+
+**Thread levels.** Calling MPI from the watchdog thread while the main thread
+sits in MPI needs ``MPI_THREAD_MULTIPLE`` (mpidp asks for it). Under a lower
+level no summary is possible: each rank prints its own line and, to abort,
+ends its own process with ``os._exit`` instead of ``MPI_Abort``, which the
+library may not allow from this thread while another is inside MPI; the
+launcher then ends the job as for any rank that dies (mpiexec does; under
+``srun`` that needs ``--kill-on-bad-exit``).
+
+**Limits.** Only calls that go through mpidp are seen. ``mpidp.barrier()``,
+the sparse gradients' gathers (``mpidp.comm.allgatherv``), DDP's construction
+check and every error agreement (``mpidp.comm.agreement``) are recorded; raw mpi4py
+calls and the payload transfers of ``mpidp.objects`` are not, and a rank stuck
+there reads as "not in an mpidp collective".
+A rank whose watchdog thread never started (it made no recorded call and
+nothing called ``start()``) cannot answer. Several threads in mpidp calls at
+once: the line names the one that has waited longest. The abort status is
+``ABORT_STATUS`` (124, as GNU ``timeout``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+import weakref
+
+from mpi4py import MPI
+
+from .. import settings
+from .. import runtime
+from .. import communicators as _communicators
+from . import report as stall_report
+from .._args import check_number
+from .report import ABORT_STATUS
+
+__all__ = ["ABORT_STATUS", "Scope", "barrier", "set_timeout", "get_timeout", "start", "watched"]
+
+_ACTIONS = ("abort", "report")
+_SELF_ABORT_SECONDS = 8.0  # rank 0 summarises within stall_report's 3 s + a wake-up of its own
+_LOCAL_GRACE_SECONDS = 2.0  # without a summary: time for the other ranks to print their lines
+_MAX_PERIOD, _MIN_PERIOD = 1.0, 0.05
+
+# Other modules name labels and ranks in their messages as the reports do.
+_label_text = stall_report.label_text
+_ranks = stall_report.ranks_text
+
+
+def _timeout_from_env() -> tuple[float, str]:
+    value = settings.get("MPIDP_TIMEOUT")
+    return value, ("MPIDP_TIMEOUT" if settings.given("MPIDP_TIMEOUT") else "the default")
+
+
+# Read once at import, as MPIDP_DEBUG is; set_timeout() replaces them.
+_timeout, _timeout_source = _timeout_from_env()
+_action = settings.get("MPIDP_TIMEOUT_ACTION")
+
+
+def check_timeout(name: str, value) -> None:
+    """Raise unless ``value`` is None or a timeout in seconds (a number >= 0)."""
+    try:
+        check_number(name, value, strict=False, optional=True)
+    except ValueError:
+        raise ValueError(f"{name} must be None or a number of seconds >= 0 (0 turns the stall "
+                         f"watchdog off), got {value!r}") from None
+
+
+def set_timeout(seconds: float | None, *, action: str | None = None) -> None:
+    """Set how long an mpidp call may wait before its rank reports a stall (process-wide).
+
+    Args:
+        seconds: a number >= 0 (0: off), or None for ``MPIDP_TIMEOUT`` (default 600).
+            A ``Scope``'s own timeout, such as DistributedDataParallel's
+            ``timeout``, still applies to the calls inside it.
+        action: "abort" (print, then abort the job) or "report" (print only);
+            None keeps the current one (``MPIDP_TIMEOUT_ACTION``, default "abort").
+    """
+    global _timeout, _timeout_source, _action
+    check_timeout("seconds", seconds)
+    if action is not None and action not in _ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(_ACTIONS)}, got {action!r}")
+    if seconds is None:
+        _timeout, _timeout_source = _timeout_from_env()
+    else:
+        _timeout, _timeout_source = float(seconds), "set_timeout()"
+    if action is not None:
+        _action = action
+    _ensure_thread()
+    _wake.set()  # a shorter period applies now
+
+
+def get_timeout() -> tuple[float, str]:
+    """Return the process-wide (timeout in seconds, 0 = off; action)."""
+    return _timeout, _action
+
+
+# -- the hot path -------------------------------------------------------------------------
+
+class _Slot:
+    """What one thread is waiting in; written by that thread, read by the watchdog."""
+
+    __slots__ = ("current", "context", "site", "thread", "reported", "__weakref__")
+
+    def __init__(self, thread: int):
+        self.current = None  # (label, since, scope or None, waiting on a handle) during a call
+        self.context = None  # the innermost Scope of this thread
+        self.site = None  # the thread whose stack names the call site (None: this one)
+        self.thread = thread
+        self.reported = None  # `since` of the call last reported (watchdog thread only)
+
+
+_local = threading.local()
+_slots: weakref.WeakSet = weakref.WeakSet()  # a thread's slot goes with its thread
+_lock = threading.Lock()
+_clock = time.monotonic
+
+
+def _new_slot() -> _Slot:
+    slot = _local.slot = _Slot(threading.get_ident())
+    with _lock:
+        _slots.add(slot)
+    _ensure_thread()
+    return slot
+
+
+def slot() -> _Slot:
+    """This thread's slot."""
+    try:
+        return _local.slot
+    except AttributeError:
+        return _new_slot()
+
+
+def begin(label, context=None, waiting: bool = False) -> _Slot:
+    """Record that this thread enters a blocking MPI call; set ``.current = None`` after it.
+
+    Args:
+        label: what the call is (see the module docstring); formatted only in a report.
+        context: the Scope it belongs to (default: this thread's innermost).
+        waiting: it waits on a nonblocking operation's request.
+    """
+    try:
+        slot = _local.slot
+    except AttributeError:
+        slot = _new_slot()
+    slot.current = (label, _clock(), context or slot.context, waiting)
+    return slot
+
+
+def watched(label, call, *args, **kwargs):
+    """``call(*args, **kwargs)``, a blocking MPI call, recorded under ``label`` while it runs.
+
+    The one door for the blocking calls mpidp makes outside ``mpidp.comm`` (mpi4py's
+    pickled object collectives, a few small agreements): a rank that waits in one
+    is named in stall reports like any other collective.
+    """
+    slot = begin(label)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        slot.current = None
+
+
+def context():
+    """This thread's innermost Scope, for a nonblocking operation to report under later."""
+    try:
+        return _local.slot.context
+    except AttributeError:
+        return None
+
+
+def handoff() -> tuple:
+    """(Scope, thread id) of this thread, for a helper thread that calls MPI on its behalf."""
+    return context(), threading.get_ident()
+
+
+class Scope:
+    """Name what the mpidp calls inside a ``with`` block are for, in stall reports.
+
+    Args:
+        what: a ``str.format`` template filled with ``args``, or a callable called
+            with them; evaluated only when a report is due.
+        args: its arguments.
+        timeout: seconds the calls inside may wait (0: never reported); None
+            keeps the enclosing scope's, or the process-wide one.
+        source: how the report names where ``timeout`` came from.
+    """
+
+    __slots__ = ("what", "args", "timeout", "source", "_slot", "_outer")
+
+    def __init__(self, what, *args, timeout: float | None = None, source: str = "a Scope"):
+        if timeout is not None:
+            check_timeout("timeout", timeout)
+        self.what, self.args, self.timeout, self.source = what, args, timeout, source
+
+    def __enter__(self) -> "Scope":
+        self._slot = slot()
+        outer = self._outer = self._slot.context
+        if self.timeout is None and outer is not None:
+            self.timeout, self.source = outer.timeout, outer.source
+        self._slot.context = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._slot.context = self._outer
+
+    def __str__(self) -> str:
+        what = self.what
+        text = what(*self.args) if callable(what) else what.format(*self.args)
+        outer = getattr(self, "_outer", None)
+        return text if outer is None else f"{outer}, {text}"
+
+
+
+# -- what this rank is doing -------------------------------------------------------------------
+
+def _limit(record) -> tuple[float, str]:
+    scope = record[2]
+    if scope is not None and scope.timeout is not None:
+        return scope.timeout, scope.source
+    return _timeout, _timeout_source
+
+
+def _in_progress() -> list[tuple[_Slot, tuple]]:
+    with _lock:
+        slots = list(_slots)
+    found = [(s, record) for s in slots if (record := s.current) is not None]
+    return sorted(found, key=lambda item: item[1][1])  # the longest waiting first
+
+
+def describe_calls() -> list[str]:
+    """What each of this rank's threads waits in now, the longest first (for exit reports)."""
+    frames = sys._current_frames()
+    return [stall_report.describe(slot, record, frames) for slot, record in _in_progress()]
+
+
+runtime.set_call_describer(describe_calls)
+
+
+def barrier() -> None:
+    """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier`` (watched)."""
+    runtime.require_mpi()
+    watched("mpidp.barrier()", MPI.COMM_WORLD.Barrier)
+
+
+def _state(now: float) -> dict:
+    """This rank's state for rank 0: stalled, waiting (under its timeout) or idle."""
+    frames = sys._current_frames()
+    calls = _in_progress()
+    if not calls:
+        main = frames.get(threading.main_thread().ident)
+        return dict(kind="idle", text=f"not in an mpidp collective, main thread at "
+                                      f"{stall_report.site(main)}")
+    slot, record = calls[0]
+    limit, _ = _limit(record)
+    elapsed = now - record[1]
+    kind = "stalled" if limit and elapsed > limit else "waiting"
+    return dict(kind=kind, seconds=elapsed, text=stall_report.describe(slot, record, frames))
+
+
+# -- the watchdog thread ----------------------------------------------------------------------
+
+_thread: threading.Thread | None = None
+_channel: stall_report.Channel | None = None
+_multiple = False
+_started = False  # start() ran (the communicator exists on every rank)
+_stopping = threading.Event()
+_wake = threading.Event()
+_deadline: float | None = None  # when this rank aborts by itself
+_stop_registered = False
+
+
+def start() -> None:
+    """Create the watchdogs' communicator and start this rank's watchdog (collective).
+
+    Every rank of ``MPI.COMM_WORLD`` must call it at the same point of its
+    ``COMM_WORLD`` collectives. The creation of the default pool and of a DDP over
+    ``COMM_WORLD``, collective there already, call it; the import of mpidp is the
+    earliest such point. Later calls, and calls in a multiprocessing child or a
+    one-rank job, do nothing.
+    """
+    global _started, _channel
+    if _started or runtime.in_multiprocessing_child():
+        return
+    runtime.require_mpi()
+    _started = True
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return
+    comm = _communicators.made(world.Dup(), "the stall watchdog", "the watchdog's thread")
+    comm.Set_name("mpidp watchdog")
+    if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
+        _channel = stall_report.Channel(comm, _state)
+    _ensure_thread()
+
+
+def _ensure_thread() -> None:
+    global _thread, _multiple, _stop_registered
+    if _thread is not None or runtime.in_multiprocessing_child():
+        return
+    if not MPI.Is_initialized() or MPI.Is_finalized() or _stopping.is_set():
+        return
+    with _lock:
+        if _thread is not None:
+            return
+        # read here, on a thread that may call MPI, for the watchdog thread's lines
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        if size == 1:
+            return  # nothing to wait for: a lone rank's collectives complete locally
+        stall_report.set_rank(rank, size)
+        _multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        _thread = threading.Thread(target=_run, name="mpidp-watchdog", daemon=True)
+        _thread.start()
+        if not _stop_registered:
+            # MPI is initialised by now, so this runs before a finalisation registered
+            # with atexit when it was (runtime's), and before mpi4py's, which runs last.
+            atexit.register(_stop)
+            _stop_registered = True
+
+
+def _period() -> float:
+    """A quarter of the shortest timeout in force (process-wide, or of a call in progress)."""
+    limits = [_limit(record)[0] for _, record in _in_progress()] + [_timeout]
+    return min(_MAX_PERIOD, max(_MIN_PERIOD, min([t for t in limits if t > 0], default=4) / 4))
+
+
+def _run() -> None:
+    while not _stopping.is_set():
+        _wake.wait(_period())
+        _wake.clear()
+        if _stopping.is_set():
+            return
+        try:
+            _tick(_clock())
+        except Exception as error:  # never die silently: say so once, and stop watching
+            stall_report.say(f"the stall watchdog failed and stops: {type(error).__name__}: {error}")
+            return
+
+
+def _tick(now: float) -> None:
+    global _deadline
+    # This rank's own stall first: rank 0 may otherwise hear every other rank's
+    # report in this poll and print the summary (and abort) before its own line.
+    stalled = [(s, r) for s, r in _in_progress()
+               if (limit := _limit(r)[0]) and now - r[1] > limit and s.reported != r[1]]
+    if stalled:
+        for s, record in stalled:
+            s.reported = record[1]  # one line per rank and call
+        _report_stall(*stalled[0], now)
+    summary = _channel.poll(now) if _channel is not None else None
+    if summary is not None:
+        _conclude(summary)
+    if _deadline is not None and now >= _deadline:
+        if _channel is not None:
+            why = "rank 0 did not end the job after this rank's stall report"
+        elif not _multiple:
+            why = "no summary below MPI_THREAD_MULTIPLE"
+        else:
+            why = "no summary: the watchdogs' communicator was never created (watchdog.start())"
+        stall_report.abort(f"{why}; aborting the job from this rank (MPIDP_TIMEOUT_ACTION=abort)",
+                           _multiple)
+
+
+def _report_stall(slot: _Slot, record, now: float) -> None:
+    global _deadline
+    limit, source = _limit(record)
+    state = dict(kind="stalled", seconds=now - record[1],
+                 text=stall_report.describe(slot, record, sys._current_frames()))
+    stall_report.say(f"stall: waiting {state['seconds']:.1f} s (timeout {limit:g} s from "
+                     f"{source}) in {state['text']}")
+    if _channel is not None and _channel.rank == 0:
+        _channel.open(now)
+    elif _channel is not None:
+        _channel.tell(state, unasked=True)
+    if _action == "abort" and _deadline is None:
+        _deadline = now + (_SELF_ABORT_SECONDS if _channel is not None else _LOCAL_GRACE_SECONDS)
+
+
+def _conclude(summary: str) -> None:
+    """Rank 0: print the summary of every rank's state, then abort or go on."""
+    line = f"stall summary: {summary}"
+    if _action == "abort":
+        stall_report.abort(f"{line}; aborting the job (MPIDP_TIMEOUT_ACTION=abort)", _multiple)
+    stall_report.say(f"{line}; going on (MPIDP_TIMEOUT_ACTION=report)")
+
+
+def _stop() -> None:
+    """At exit, before MPI_Finalize: stop the thread, then release the channel's requests."""
+    _stopping.set()
+    _wake.set()
+    if _thread is not None:
+        _thread.join(timeout=5)
+    if _channel is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        _channel.close()
+
+
+def _forked() -> None:
+    # The child has no watchdog thread and must not touch the parent's MPI.
+    global _thread, _channel, _started, _lock
+    _thread, _channel, _started = None, None, True
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forked)
