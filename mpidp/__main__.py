@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import rendezvous, runtime, topology
+from mpidp.comm.handle import collective
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
                 "torch": "reduced by torch inside a user-defined MPI op (this MPI library "
@@ -85,7 +86,8 @@ def run(target: list[str], module: bool) -> int:
 
 def info() -> int:
     ranks = topology.gather()
-    reasons = MPI.COMM_WORLD.allgather(topology.threads_reason())
+    reasons = collective(MPI.COMM_WORLD, "allgather", (topology.threads_reason(),),
+                         "python -m mpidp info: each rank's threads (allgather)")
     found = topology.binding_warnings(ranks)
     if mpidp.rank() == 0:
         print(format_table([r.as_row() for r in ranks]))

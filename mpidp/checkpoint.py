@@ -44,6 +44,7 @@ from collections.abc import Mapping
 import torch
 from mpi4py import MPI
 
+from .comm.handle import collective
 from . import _args, generators, preemption, runtime
 from .comm import agreement
 from . import communicators as _communicators
@@ -211,8 +212,8 @@ class Checkpointer:
 
     def _check_directory(self) -> None:
         """The directory exists, takes files, and is the same one on every rank (collective)."""
-        name = _watchdog.watched("Checkpointer(): the directory's probe", self._comm.bcast,
-                                 f".probe-{os.getpid()}-{time.time_ns()}", 0)
+        name = collective(self._comm, "bcast", (f".probe-{os.getpid()}-{time.time_ns()}", 0),
+                          "Checkpointer(): the directory's probe")
         probe = os.path.join(self.directory, name)  # each rank's own path to it
         problem = None
         if self.rank == 0:
@@ -419,8 +420,8 @@ class Checkpointer:
         found = None
         if self.rank == 0:
             found = latest_checkpoint(self.directory)
-        found = _watchdog.watched("Checkpointer.resume(): which checkpoint?", self._comm.bcast,
-                                  found, 0)
+        found = collective(self._comm, "bcast", (found, 0),
+                           "Checkpointer.resume(): which checkpoint?")
         if found is None:
             return 0
         path, manifest = found

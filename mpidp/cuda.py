@@ -112,7 +112,8 @@ def _probe() -> bool:
         ok = bool(torch.all(tensor == expected).item())
     except MPI.Exception:
         ok = False
-    return bool(comm.allreduce(int(ok), op=MPI.MIN))
+    return bool(_watchdog.watched("the CUDA-aware probe's verdict (allreduce)", comm.allreduce,
+                                  int(ok), op=MPI.MIN))
 
 
 def agree(states: list[tuple], rank: int, probe) -> Decision:

@@ -22,9 +22,9 @@ import pickle
 import torch
 from mpi4py import MPI
 
+from .comm.handle import collective
 from .comm import agreement as _agreement
 from . import comm as _comm
-from . import watchdog as _watchdog
 
 __all__ = ["broadcast_object", "allgather_object", "average"]
 
@@ -70,13 +70,13 @@ def broadcast_object(obj, root: int = 0, *, comm=None):
     mpi = _start(comm, "broadcast_object", root=root)
     is_root = mpi.Get_rank() == root
     data, error = _dumps(obj) if is_root else (None, None)
-    nbytes, error = _watchdog.watched("broadcast_object (its size)", mpi.bcast,
-                                      (None if data is None else len(data), error), root)
+    nbytes, error = collective(mpi, "bcast", ((None if data is None else len(data), error), root),
+                               "broadcast_object (its size)")
     if error is not None:
         raise pickle.PicklingError(f"broadcast_object: rank {root}'s object cannot be pickled: "
                                    f"{error}")
     buffer = data if is_root else bytearray(nbytes)
-    _watchdog.watched("broadcast_object", mpi.Bcast, [buffer, nbytes, MPI.BYTE], root)
+    collective(mpi, "Bcast", ([buffer, nbytes, MPI.BYTE], root), "broadcast_object")
     result, error = (obj, None) if is_root else _loads(buffer)
     _agreement.raise_together(mpi, error, pickle.UnpicklingError,
                               f"broadcast_object: rank {root}'s object cannot be unpickled on",
@@ -101,8 +101,8 @@ def allgather_object(obj, *, comm=None) -> list:
     """
     mpi = _start(comm, "allgather_object")
     data, error = _dumps(obj)
-    headers = _watchdog.watched("allgather_object (the sizes)", mpi.allgather,
-                                (None if data is None else len(data), error))
+    headers = collective(mpi, "allgather", ((None if data is None else len(data), error),),
+                         "allgather_object (the sizes)")
     errors = [error for _, error in headers]
     if any(error is not None for error in errors):
         raise pickle.PicklingError(f"allgather_object: an object cannot be pickled on "
@@ -110,8 +110,9 @@ def allgather_object(obj, *, comm=None) -> list:
     counts = [nbytes for nbytes, _ in headers]
     offsets = [0, *itertools.accumulate(counts)]
     buffer = bytearray(offsets[-1])
-    _watchdog.watched("allgather_object", mpi.Allgatherv, [data, len(data), MPI.BYTE],
-                      [buffer, (counts, offsets[:-1]), MPI.BYTE])
+    collective(mpi, "Allgatherv",
+               ([data, len(data), MPI.BYTE], [buffer, (counts, offsets[:-1]), MPI.BYTE]),
+               "allgather_object")
     view, rank = memoryview(buffer), mpi.Get_rank()
     results, error = [], None
     for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
@@ -174,7 +175,7 @@ def average(value, *, comm=None):
     """
     mpi = _start(comm, "average")
     local, error = _numbers(value)
-    gathered = _watchdog.watched("average (allgather)", mpi.allgather, (local, error))
+    gathered = collective(mpi, "allgather", ((local, error),), "average (allgather)")
     errors = [error for _, error in gathered]
     if any(error is not None for error in errors):
         raise TypeError(f"average: {_agreement.by_rank(errors)}")

@@ -59,6 +59,7 @@ from mpi4py import MPI
 
 from . import settings, address as _address, runtime, store as _store
 from .comm import agreement
+from .comm.handle import collective
 
 __all__ = ["default_backend", "init_process_group", "handler", "start_up", "store_address",
            "exported", "store_kind"]
@@ -131,16 +132,19 @@ def store_kind() -> str:
 def _node_rank(world: MPI.Intracomm) -> tuple[int, int]:
     """(this node's index, number of nodes): nodes numbered by their lowest world rank."""
     first = runtime.local_rank() == 0
-    leaders = world.allgather(world.Get_rank() if first else None)
+    leaders = collective(world, "allgather", (world.Get_rank() if first else None,),
+                         "import mpidp: the nodes' first ranks (allgather)")
     starts = [rank for rank in leaders if rank is not None]
-    mine = runtime._node_comm().bcast(world.Get_rank() if first else None, root=0)
+    mine = collective(runtime._node_comm(), "bcast", (world.Get_rank() if first else None, 0),
+                      "import mpidp: this node's first rank (broadcast)")
     return starts.index(mine), len(starts)
 
 
 def _choose(world: MPI.Intracomm) -> tuple[str, str]:
     """Rank 0's address for the store and why (collective; runs only on rank 0's side)."""
-    reports = world.gather(None if runtime.local_rank() or world.Get_rank() == 0 else
-                           (socket.gethostname(), [a for a, _ in _address.interfaces().values()]))
+    mine = (None if runtime.local_rank() or world.Get_rank() == 0 else
+            (socket.gethostname(), [a for a, _ in _address.interfaces().values()]))
+    reports = collective(world, "gather", (mine, 0), "import mpidp: the nodes' addresses (gather)")
     if world.Get_rank() != 0:
         return "", ""
     peers = [report for report in reports if report is not None]
@@ -195,7 +199,7 @@ def _start_server(world: MPI.Intracomm, listen: bool = True) -> tuple[str, int, 
     except Exception as error:  # noqa: BLE001  every rank must hear of it
         where = f" on {host} (chosen from {why})" if host else ""
         found = f"{where}: {type(error).__name__}: {error}"
-    found = world.bcast(found, root=0)
+    found = collective(world, "bcast", (found, 0), "import mpidp: the rendezvous address (broadcast)")
     if isinstance(found, str):
         what = "start the rendezvous store" if listen else "choose the rendezvous address"
         _state.problem = f"rank 0 could not {what}{found}"

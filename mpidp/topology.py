@@ -28,6 +28,7 @@ import torch
 from mpi4py import MPI
 
 from . import runtime, settings
+from . import watchdog as _watchdog
 
 __all__ = ["RankTopology", "topology", "gather", "binding_warnings", "warn_about_binding",
            "parse_cpulist", "default_threads", "threads_for", "threads_reason",
@@ -108,7 +109,8 @@ def topology() -> RankTopology:
 
 def gather(comm: MPI.Comm | None = None) -> list[RankTopology]:
     """Every rank's ``topology()``, on every rank (collective)."""
-    return (comm or MPI.COMM_WORLD).allgather(topology())
+    return _watchdog.watched("each rank's topology (allgather)", (comm or MPI.COMM_WORLD).allgather,
+                             topology())
 
 
 def detect_launcher() -> str:
@@ -196,7 +198,8 @@ def warn_about_binding(comm: MPI.Comm | None = None, stacklevel: int = 3) -> lis
 @functools.cache
 def node_affinities() -> tuple[frozenset[int], ...]:
     """The cores every rank of this node is bound to, by local rank (collective on first call)."""
-    return tuple(runtime._node_comm().allgather(frozenset(os.sched_getaffinity(0))))
+    return tuple(_watchdog.watched("the node's core bindings (allgather)",
+                                   runtime._node_comm().allgather, frozenset(os.sched_getaffinity(0))))
 
 
 def threads_for(cores, node: list) -> int:

@@ -23,11 +23,25 @@ The package, one concept a module:
 - ``collectives``: the collectives of equal blocks (allreduce ... scatter, barrier);
 - ``uneven``: ``alltoall`` with splits and ``allgatherv``, whose sizes differ by rank;
 - ``p2p``: send and recv;
-- ``handle``: ``Handle``, a pending operation that owns its tensors;
+- ``handle``: the engine's core: ``issue`` (where every collective mpidp makes starts),
+  ``collective`` (blocking calls on what is not a tensor: control words, pickled
+  objects), ``Handle`` (a pending operation that owns its tensors) and ``wait_request``;
 - ``pool``: ``Pool``, ``default_pool`` and what a ``comm`` argument stands for;
 - ``dtypes``: dtype and op tables, MPI datatypes and buffers, ``reduction_path``;
 - ``staging``: host and contiguous stand-ins for tensors MPI cannot take as they are;
-- ``checks``: argument checks and the ``MPIDP_DEBUG`` check.
+- ``checks``: argument checks and the ``MPIDP_DEBUG`` check;
+- ``chunking``: the one rule for chunk sizes and cutting a buffer into chunks;
+- ``agreement``: the one way ranks reach the same decision (``decide``, ``agree``...);
+- ``shm``: the shared-memory window a DDP reduces in on one node.
+
+Every layer above starts its collectives here: DDP's buckets under each overlap
+strategy (``mpidp.ddp.overlap``), the backend's operations and call checks
+(``mpidp.process_group``), Horovod's requests and control messages, ZeRO, the
+hooks, SyncBatchNorm, the object collectives and the Checkpointer. They differ
+in who waits, not in how a collective starts. Below this layer, the runtime's
+start-up exchanges (``mpidp.topology``, ``mpidp.cuda``, ``mpidp.barrier``) go
+through ``mpidp.watchdog.watched``; the stall watchdog's reports and the MPI
+store are point-to-point channels on communicators of their own.
 
 The switches ``checks._DEBUG`` and ``staging._STAGE_CPU`` are read where they
 live, at call time: set them on those modules, not on this package.

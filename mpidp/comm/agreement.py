@@ -4,9 +4,10 @@ A check that one rank fails must end in the same error on every rank, never
 in an error on one rank while the others walk into the next collective and
 wait forever. The rule: each rank computes its own verdict (an error or
 None), one 4-byte allreduce says whether any rank failed, and only then do
-the messages travel, so the usual case costs one small allreduce (docs/performance.md, "Figures behind the code's choices").
-Every call here is a collective on
-``comm`` and is recorded by the stall watchdog under ``label``.
+the messages travel, so the usual case costs one small allreduce (docs/performance.md, "Figures
+behind the code's choices"). Every call here is a collective on ``comm``,
+started through the engine (``handle.collective``: recorded by the stall
+watchdog under ``label``, its MPI errors mapped, driven on the progress thread).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import watchdog as _watchdog
+from .handle import collective
 from .pool import _collective_comm
 
 __all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_together",
@@ -26,7 +28,7 @@ __all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_tog
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
     """``comm.allgather(obj)``, named ``label`` in the stall watchdog's reports."""
-    return _watchdog.watched(label, comm.allgather, obj)
+    return collective(comm, "allgather", (obj,), label)
 
 
 def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
@@ -48,11 +50,7 @@ def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
 def any_failed(comm: MPI.Intracomm, failed: bool, label: str) -> bool:
     """True on every rank if ``failed`` is true on any (one 4-byte allreduce)."""
     flag = array.array("i", [bool(failed)])
-    slot = _watchdog.begin(label)
-    try:
-        comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT], MPI.MAX)
-    finally:
-        slot.current = None
+    collective(comm, "Allreduce", (MPI.IN_PLACE, [flag, MPI.INT], MPI.MAX), label)
     return bool(flag[0])
 
 
@@ -110,11 +108,7 @@ def agree_facts(comm, facts: list[int], problem: bool, describe, what: str, labe
     facts = [*facts, int(problem)]
     both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
     base = _collective_comm(comm)
-    slot = _watchdog.begin(label)
-    try:
-        base.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
-    finally:
-        slot.current = None
+    collective(base, "Allreduce", (MPI.IN_PLACE, both, MPI.MAX), label)
     n = len(facts)
     if (both[:n] == -both[n:]).all() and not both[n - 1]:
         return

@@ -89,7 +89,7 @@ def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields
     else, so ranks that called different collectives still meet in this
     allgather (of fixed size, so it matches whatever the texts) and reach the
     same decision. On the progress thread it is driven, never waited on
-    (``mpidp.comm.handle.wait_request``).
+    (``mpidp.comm.handle.collective``).
     """
     args = ", ".join(f"{key}={value}" for key, value in fields.items())
     call = f"{'i' if nonblocking else ''}{name}({args})"
@@ -98,8 +98,8 @@ def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields
     mine[:min(len(text), _CALL_BYTES)] = np.frombuffer(text[:_CALL_BYTES], dtype=np.uint8)
     mine[_CALL_BYTES:] = np.frombuffer(hashlib.blake2b(text, digest_size=8).digest(), np.uint8)
     every = np.empty((comm.Get_size(), mine.size), dtype=np.uint8)
-    request = comm.Iallgather([mine, MPI.BYTE], [every, MPI.BYTE])
-    _handle.wait_request(request, f"the MPIDP_DEBUG check of {call}")
+    _handle.collective(comm, "Allgather", ([mine, MPI.BYTE], [every, MPI.BYTE]),
+                       f"the MPIDP_DEBUG check of {call}")
     if (every == mine).all():
         return
     calls = [bytes(row[:_CALL_BYTES]).rstrip(b"\0").decode(errors="replace") for row in every]

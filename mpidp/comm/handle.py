@@ -34,15 +34,56 @@ def _driving() -> bool:
     return _driver_ident is not None and threading.get_ident() == _driver_ident
 
 
-def wait_request(request: MPI.Request, label=None) -> None:
-    """Complete ``request``: ``MPI_Wait`` on a program thread (watched under ``label``),
-    driven on the registered never-blocking thread."""
+def issue(comm: MPI.Intracomm, name: str, args, label=None) -> MPI.Request:
+    """Start MPI's nonblocking ``I<name>`` on ``comm``: the one place a collective starts.
+
+    Every collective mpidp issues starts here or in ``_start`` (which uses this for its
+    nonblocking form): tensor collectives, a backend call's check, Horovod's control
+    message, an agreement. An MPI error raises ``mpidp.errors``' mapped exception, named
+    after ``label`` (what the call is, as the stall watchdog names it).
+    """
+    try:
+        return getattr(comm, "I" + name.lower())(*args)
+    except MPI.Exception as error:
+        raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
+
+
+def wait_request(request: MPI.Request, label=None, waiting: bool = False) -> None:
+    """Complete ``request``: ``MPI_Wait`` on a program thread (watched under ``label``;
+    ``waiting``: as a wait on an operation started earlier), driven on the registered
+    never-blocking thread."""
+    try:
+        if _driving():
+            _drive(request)
+            return
+        slot = _watchdog.begin(label, None, waiting)
+        try:
+            request.Wait()
+        finally:
+            slot.current = None
+    except MPI.Exception as error:
+        raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
+
+
+def collective(comm: MPI.Intracomm, name: str, args, label):
+    """Run MPI collective ``name`` on ``comm``, blocking, for what is not a tensor; return its result.
+
+    ``name`` is mpi4py's: a buffer form (``"Allreduce"``, ``"Barrier"``...: control
+    words, a flag), or a pickled object form (``"allgather"``, ``"bcast"``...: small
+    Python objects, trusted because only ranks of the job send them). Watched under
+    ``label``, MPI errors mapped. On the never-blocking thread a buffer form is driven;
+    a pickled form has no nonblocking twin, so it raises there (rule 3).
+    """
+    if name[0].isupper():
+        return _start(comm, name, args, None, None, None, False, label)
     if _driving():
-        _drive(request)
-        return
+        raise RuntimeError(f"{_watchdog._label_text(label)}: a pickled collective cannot run on "
+                           f"the progress thread, which must never block (docs/concurrency.md, rule 3)")
     slot = _watchdog.begin(label)
     try:
-        request.Wait()
+        return getattr(comm, name)(*args)
+    except MPI.Exception as error:
+        raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
     finally:
         slot.current = None
 
@@ -110,14 +151,10 @@ def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocki
     ``label`` names the call in stall reports (``mpidp.watchdog``), built only then.
     """
     if nonblocking:
-        try:
-            request = getattr(comm, "I" + name.lower())(*args)
-        except MPI.Exception as error:
-            raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
-        return Handle(request, keep, result, finish, label)
+        return Handle(issue(comm, name, args, label), keep, result, finish, label)
     try:
         if _driving():  # never block on that thread: the I-form, driven
-            wait_request(getattr(comm, "I" + name.lower())(*args))
+            _drive(getattr(comm, "I" + name.lower())(*args))
         else:
             slot = _watchdog.begin(label)
             try:

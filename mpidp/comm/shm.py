@@ -37,7 +37,7 @@ from mpi4py import MPI
 
 from .. import communicators as _communicators
 from .. import settings
-from .. import watchdog as _watchdog
+from . import handle as _handle
 
 __all__ = ["Node", "Window", "node_of"]
 
@@ -91,8 +91,8 @@ class Node:
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         _communicators.made(self.node, "shared-memory reduction: the node's ranks")
-        sizes = _watchdog.watched("shared-memory node sizes (allgather)", comm.allgather,
-                                  self.node.Get_size())
+        sizes = _handle.collective(comm, "allgather", (self.node.Get_size(),),
+                                   "shared-memory node sizes (allgather)")
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = _communicators.made(comm.Split(self.local_rank, comm.Get_rank()),
                                          "shared-memory reduction: across nodes")
@@ -126,14 +126,14 @@ class Node:
         if self.local_rank == 0:
             name, identity, mapping = _create(size)
         # after the creation: the others open only the very file local rank 0 made
-        name, identity = _watchdog.watched("shared-memory window name (broadcast)", self.node.bcast,
-                                           (name, identity), root=0)
+        name, identity = _handle.collective(self.node, "bcast", ((name, identity), 0),
+                                            "shared-memory window name (broadcast)")
         if self.local_rank != 0 and identity is not None:
             mapping = _open(name, size, identity)
-        mapped = _watchdog.watched("shared-memory window check (allreduce)", self.node.allreduce,
-                                   int(mapping is not None), op=MPI.MIN)
-        ok = _watchdog.watched("shared-memory window check (allreduce)", self.cross.allreduce,
-                               mapped, op=MPI.MIN)
+        mapped = _handle.collective(self.node, "allreduce", (int(mapping is not None), MPI.MIN),
+                                    "shared-memory window check (allreduce)")
+        ok = _handle.collective(self.cross, "allreduce", (mapped, MPI.MIN),
+                                "shared-memory window check (allreduce)")
         if self.local_rank == 0 and name is not None:
             try:
                 os.unlink(name)  # every local rank has mapped it or given up: the name may go
@@ -235,11 +235,7 @@ class Window:
         # freed collectively. It relies on what MPICH, Open MPI and Intel MPI do:
         # their shared-memory barriers publish arrival with release atomics and
         # wait with acquire ones, so writes before the barrier are seen after it.
-        slot = _watchdog.begin(label)
-        try:
-            self.node.node.Barrier()
-        finally:
-            slot.current = None
+        _handle.collective(self.node.node, "Barrier", (), label)
 
     def allreduce(self, tensor: torch.Tensor, divisor: int = 1) -> None:
         """Sum ``tensor`` (a region of this window) over all ranks, in place; divided first if asked.

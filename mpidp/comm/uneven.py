@@ -19,7 +19,7 @@ from .. import _args
 from . import checks as _checks
 from .checks import _check_same_call, _check_tensor, _ranks
 from .dtypes import _DTYPES, _buffer, _dtype_name, _vbuffer
-from .handle import Handle, _start, wait_request
+from .handle import Handle, _start, collective
 from .pool import _base, _collective_comm
 from .staging import _stage
 
@@ -56,24 +56,24 @@ def _check_splits_agree(comm: MPI.Intracomm, receives: list[int], sends: list[in
 
     MPI requires every receive count to equal the matching send count; a smaller
     one fails on the receiver alone, a larger one leaves garbage unnoticed. Each
-    step is nonblocking and completed by ``wait_request`` (driven on the progress
+    step is a ``handle.collective`` (driven, never waited on, on the progress
     thread); the whole table is gathered only when some rank found a fault.
     """
     code = _DTYPES.index(dtype)
     outgoing = np.array([[rows, row_numel, code] for rows in sends], dtype=np.int64)
     incoming = np.empty_like(outgoing)
-    wait_request(comm.Ialltoall([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T]), label)
+    collective(comm, "Alltoall", ([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T]), label)
     rank = comm.Get_rank()
     mismatched = any(peer_row_numel != row_numel or peer_code != code or rows != receives[peer]
                      for peer, (rows, peer_row_numel, peer_code) in enumerate(incoming.tolist()))
     count = np.array([int(mismatched)], dtype=np.int64)
-    wait_request(comm.Iallreduce(MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX), label)
+    collective(comm, "Allreduce", (MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX), label)
     if not count[0]:
         return
     size = comm.Get_size()
     mine = np.array([*sends, *receives, row_numel, code], dtype=np.int64)
     table = np.empty((size, mine.size), dtype=np.int64)
-    wait_request(comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]), label)
+    collective(comm, "Allgather", ([mine, MPI.INT64_T], [table, MPI.INT64_T]), label)
     faults = []
     for rank, row in enumerate(table.tolist()):
         want, numel, kind = row[size:2 * size], row[2 * size], row[2 * size + 1]
@@ -199,14 +199,14 @@ def _exchange_rows(comm: MPI.Intracomm, tensor: torch.Tensor, row_shape: tuple, 
     mine = np.array([tensor.shape[0], _DTYPES.index(tensor.dtype), len(row_shape), digest],
                     dtype=np.int64)
     every = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    wait_request(comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), label)
+    collective(comm, "Allgather", ([mine, MPI.INT64_T], [every, MPI.INT64_T]), label)
     shapes = [row_shape] * len(every)
     if len(set(map(tuple, every[:, 2:].tolist()))) > 1:  # the same on every rank
         width = max(1, int(every[:, 2].max()))
         padded = np.zeros(width, dtype=np.int64)
         padded[:len(row_shape)] = row_shape
         table = np.empty((len(every), width), dtype=np.int64)
-        wait_request(comm.Iallgather([padded, MPI.INT64_T], [table, MPI.INT64_T]), label)
+        collective(comm, "Allgather", ([padded, MPI.INT64_T], [table, MPI.INT64_T]), label)
         shapes = [tuple(table[r, :int(every[r, 2])].tolist()) for r in range(len(every))]
     return [(int(rows), shape, _dtype_name(_DTYPES[int(code)]))
             for (rows, code, _, _), shape in zip(every.tolist(), shapes)]

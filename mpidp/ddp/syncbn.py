@@ -42,11 +42,11 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..comm.handle import collective
 from .. import _args
 from .. import comm as _comm
 from .. import communicators as _communicators
 from .. import runtime
-from .. import watchdog as _watchdog
 
 __all__ = ["SyncBatchNorm"]
 
@@ -349,8 +349,8 @@ class SyncBatchNorm(_BatchNorm):
     def _raise_input_problems(self, problem: str | None):
         # The flag only says that some rank's input was bad; gather the reasons
         # (this path only) so that every rank raises the same message.
-        problems = _watchdog.watched("SyncBatchNorm's input check (allgather)",
-                                     self._channel.comm.allgather, problem)
+        problems = collective(self._channel.comm, "allgather", (problem,),
+                              "SyncBatchNorm's input check (allgather)")
         text = "; ".join(f"{p} on rank {r}" for r, p in enumerate(problems) if p is not None)
         raise ValueError(f"SyncBatchNorm: {text}")
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ..comm.handle import collective
 from .. import _args
 from .. import communicators as _communicators
 from .. import runtime as _runtime
-from .. import watchdog as _watchdog
 from . import process_sets as _sets
 from . import settings as _settings
 from . import state as _state_module
@@ -74,7 +74,7 @@ def init(comm=None, process_sets=None) -> None:
                                 "hvd.init: the node's ranks")
     cross = _communicators.made(world.Split(local.Get_rank(), world.Get_rank()),
                                 "hvd.init: one rank per node")
-    local_sizes = _watchdog.watched("hvd.init (node sizes)", world.allgather, local.Get_size())
+    local_sizes = collective(world, "allgather", (local.Get_size(),), "hvd.init (node sizes)")
     _state.world, _state.local, _state.cross = world, local, cross
     _state.homogeneous = len(set(local_sizes)) == 1
     global_set = _sets.global_process_set

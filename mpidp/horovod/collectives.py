@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.handle import collective
 from .. import _args
 from .. import comm as _comm
 from .. import objects as _objects
-from .. import watchdog as _watchdog
 from ..comm.checks import _check_tensor
 from . import process_sets as _sets
 from . import requests as _requests
@@ -220,8 +220,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=_sets.global_proc
     result = {}
 
     def launch():
-        receives = _watchdog.watched(("alltoall's splits exchange", tensor),
-                                     process_set.data.alltoall, sends)
+        receives = collective(process_set.data, "alltoall", (sends,),
+                              ("alltoall's splits exchange", tensor))
         output = tensor.new_empty((sum(receives), *tensor.shape[1:]))
         result["value"] = (output, torch.tensor(receives, dtype=torch.int32))
         return [_comm.ialltoall(output, tensor, receives, sends, comm=process_set.data)]

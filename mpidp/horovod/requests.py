@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..comm.handle import issue, wait_request
 from ..comm import agreement as _agreement
-from .. import watchdog as _watchdog
 from ..comm.dtypes import _DTYPES
 from . import state as _state
 from . import process_sets as _sets
@@ -128,16 +128,12 @@ class Control:
 
     def __init__(self, process_set: _sets.ProcessSet, words: np.ndarray):
         self.words, self.size = words, process_set.control.Get_size()
-        self.request = process_set.control.Iallreduce(MPI.IN_PLACE, [words, MPI.INT64_T],
-                                                      MPI.BOR)
+        self.request = issue(process_set.control, "Allreduce",
+                             (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.BOR), "hvd control message")
 
     def wait(self, label: str) -> Descriptor:
         if self.request is not None:
-            slot = _watchdog.begin(f"hvd {label} (control message)")
-            try:
-                self.request.Wait()
-            finally:
-                slot.current = None
+            wait_request(self.request, f"hvd {label} (control message)")
             self.request = None
         return Descriptor(self.words, self.size)
 

@@ -22,6 +22,7 @@ from mpi4py import MPI
 from .. import comm as _comm
 from .. import errors as _errors
 from ..comm import checks as _checks
+from ..comm import handle as _handle
 from .. import watchdog as _watchdog
 from .chunks import Chunks
 from .progress import progress
@@ -62,8 +63,8 @@ class CallCheck:
     started (its arguments) took no pool member and starts no check. It completes as
     soon as every rank has started it, whatever the operation does, so a Work tests it
     first. Then ``error()`` is the same on every rank: None, or the ValueError that
-    names what differs. A raw mpi4py Iallreduce of a numpy buffer, without mpidp.comm's
-    checks and staging, tested with the operation's requests in one ``MPI_Testall``
+    names what differs. An Iallreduce of a numpy buffer started by the engine
+    (``mpidp.comm.handle.issue``), without mpidp.comm's tensor checks and staging, tested with the operation's requests in one ``MPI_Testall``
     (``checked_wait``); its cost is in bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it).
     """
 
@@ -74,9 +75,10 @@ class CallCheck:
         self.call = call
         self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
-        self._request = _comm._collective_comm(pool).Iallreduce(
-            MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
         self._label = (call + " (its call check)", tensor)  # formatted only in a report
+        self._request = _handle.issue(_comm._collective_comm(pool), "Allreduce",
+                                      (MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX),
+                                      self._label)
 
     @property
     def handle(self) -> "CallCheck":
@@ -91,13 +93,7 @@ class CallCheck:
             raise _errors.mpi_failure(self._LABEL, error) from error
 
     def wait(self) -> np.ndarray:
-        slot = _watchdog.begin(self._label, None, True)
-        try:
-            self._request.Wait()
-        except MPI.Exception as error:
-            raise _errors.mpi_failure(self._LABEL, error) from error
-        finally:
-            slot.current = None
+        _handle.wait_request(self._request, self._label, waiting=True)
         return self.reduced
 
     def error(self) -> CallMismatch | None:

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..comm.handle import collective
 from .._args import is_int
-from .. import watchdog as _watchdog
 from ..comm.agreement import agree
 
 __all__ = ["CheckpointMixin"]
@@ -80,8 +80,8 @@ class CheckpointMixin:
                                         if isinstance(value, torch.Tensor) else value
                                         for key, value in state.items()})
                  for member, start, stop, state in self._piece_states()]
-        gathered = _watchdog.watched("ZeroRedundancyOptimizer.consolidate_state_dict() (gather)",
-                                     self._comm.gather, local, root=to)
+        gathered = collective(self._comm, "gather", (local, to),
+                              "ZeroRedundancyOptimizer.consolidate_state_dict() (gather)")
         self._consolidated = None
         if self.rank != to:
             return
