@@ -1,4 +1,9 @@
-"""One chunk size and one way of cutting a buffer into chunks, for every large reduction.
+"""The sizes every layer shares (buckets and chunks), and one way of cutting a buffer into chunks.
+
+DDP, ZeRO, Horovod's optimizer and the torch.distributed backend take their
+defaults from here: ``BUCKET_CAP_MB`` and ``FIRST_BUCKET_MB`` for gradient
+buckets, ``chunk_bytes()`` (``MPIDP_CHUNK_MB``) for the chunks a reduction
+goes in.
 
 MPI's shared-memory allreduce slows down past a few MiB (its bounce buffers
 overflow the caches), so every large reduction mpidp makes goes chunk by
@@ -16,9 +21,13 @@ import torch
 
 from .. import settings
 
-__all__ = ["CHUNK_MB", "chunk_bytes", "chunk_numel", "pieces"]
+__all__ = ["BUCKET_CAP_MB", "CHUNK_MB", "FIRST_BUCKET_MB", "chunk_bytes", "chunk_numel", "pieces"]
 
 CHUNK_MB: float = settings.get("MPIDP_CHUNK_MB")
+BUCKET_CAP_MB = 25.0  # torch DDP's bucket_cap_mb
+# torch DDP's first bucket: "Experiments showed 1MB is a reasonable value", and
+# a small first bucket lets the first allreduce start early in the backward.
+FIRST_BUCKET_MB = 1.0
 
 
 def chunk_bytes(chunk_mb: float | None = None) -> int:

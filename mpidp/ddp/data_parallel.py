@@ -160,7 +160,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                 param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
                 device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list)
             if bucket_cap_mb is None:
-                bucket_cap_mb = 25
+                bucket_cap_mb = _chunking.BUCKET_CAP_MB
             _ddp_options.check_sizes(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                      chunk_mb=chunk_mb, inplace_threshold_mb=inplace_threshold_mb)
             _ddp_options.check_flags(
@@ -187,7 +187,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             else:  # torch 2.13: the deprecated switch governs both
                 sync_buffers = init_buffers = broadcast_buffers is not False
             if first_bucket_mb is None:
-                first_bucket_mb = min(_ddp_options.FIRST_BUCKET_MB, bucket_cap_mb)
+                first_bucket_mb = min(_chunking.FIRST_BUCKET_MB, bucket_cap_mb)
         except (TypeError, ValueError) as caught:
             error = caught
         _agreement.agree(base, error, "DistributedDataParallel(): the ranks' arguments")

@@ -17,15 +17,12 @@ from . import overlap as _overlap
 from ..comm import shm as _shm
 from ..comm import chunking as _chunking
 
-__all__ = ["FIRST_BUCKET_MB", "base_comm", "check_flags", "check_module", "check_overlap",
+__all__ = ["base_comm", "check_flags", "check_module", "check_overlap",
            "check_sizes", "check_supported", "module_device", "reducer_options",
            "shared_memory_node", "sparse_names"]
 
 _MB = 1024 * 1024
 
-# torch DDP's first bucket: "Experiments showed 1MB is a reasonable value", and
-# a small first bucket lets the first allreduce start early in the backward.
-FIRST_BUCKET_MB = 1.0
 _INPLACE_MB = 1  # inplace_threshold_mb="auto" where buckets are copied both ways
 
 # torch's arguments that mpidp refuses, and what to use instead

@@ -40,7 +40,6 @@ from ..comm import agreement as _agreement
 from ..ddp import overlap as _overlap
 from ..ddp.buckets import Bucket, assign_buckets
 from ..comm import chunking as _chunking
-from ..ddp.options import FIRST_BUCKET_MB
 from . import process_sets as _sets
 from . import requests as _requests
 from . import settings as _settings
@@ -50,7 +49,7 @@ from .reductions import Average, Sum, bucket_allreduce_async_, resolve_op
 __all__ = ["DistributedOptimizer"]
 
 _MB = 1 << 20
-_DEFAULT_CAP = 25 * _MB  # mpidp DDP's bucket_cap_mb
+_DEFAULT_CAP = int(_chunking.BUCKET_CAP_MB * _MB)
 
 
 def _names(optimizer, named_parameters) -> dict:
@@ -141,7 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             cap = _settings.fusion_threshold(_DEFAULT_CAP)
             buckets = assign_buckets([p.numel() * p.element_size() for p in params],
                                      [(p.dtype, p.device) for p in params], max(cap, 1),
-                                     max(min(cap, int(FIRST_BUCKET_MB * _MB)), 1))
+                                     max(min(cap, int(_chunking.FIRST_BUCKET_MB * _MB)), 1))
         for members in buckets:
             if len({(params[k].dtype, params[k].device) for k in members}) > 1:
                 raise ValueError("a group of parameters must share one dtype and device, got "

@@ -61,8 +61,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
             optimizer, of the module, or none was called.
         comm: the mpi4py communicator (default ``MPI.COMM_WORLD``; in stage 2,
             the DDP's).
-        bucket_cap_mb: size of the flat buffers the parameters are laid out in
-            (stage 1; stage 2 uses the DDP's buckets).
+        bucket_cap_mb: size in MiB of the flat buffers the parameters are laid out in
+            (stage 1; stage 2 uses the DDP's buckets); None (default): 25, as DDP.
         chunk_mb: largest single allgather in MiB; None (default): ``MPIDP_CHUNK_MB``
             (4). Stage 2 takes the DDP's ``chunk_mb``.
         **defaults: the arguments of ``optimizer_class`` (``lr``...).
@@ -70,7 +70,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class: type, process_group=None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
-                 stage: int = 1, comm: MPI.Intracomm | None = None, bucket_cap_mb: float = 25,
+                 stage: int = 1, comm: MPI.Intracomm | None = None,
+                 bucket_cap_mb: float | None = None,
                  chunk_mb: float | None = None, **defaults):
         from ..ddp.data_parallel import _base_comm  # noqa: PLC0415 (ddp imports the reducer, which is fine)
 
@@ -88,7 +89,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                                  f"{overlap_with_ddp!r}; pass stage=2 to reduce-scatter the "
                                  f"gradients into the optimizer's shards during the backward")
             check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
-            check_number("bucket_cap_mb", bucket_cap_mb)
+            check_number("bucket_cap_mb", bucket_cap_mb, optional=True)
             check_number("chunk_mb", chunk_mb, optional=True)
             if not (isinstance(optimizer_class, type)
                     and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -123,7 +124,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.stage = stage
         self.optimizer_class = optimizer_class
         self._chunk_bytes = chunk_bytes
-        self._cap_bytes = int(bucket_cap_mb * _MB)
+        self._cap_bytes = int((_chunking.BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+                              * _MB)
         self._defaults = defaults
         params = self._params()
         self._index = {id(p): i for i, p in enumerate(params)}
