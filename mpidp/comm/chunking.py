@@ -10,9 +10,16 @@ overflow the caches), so every large reduction mpidp makes goes chunk by
 chunk: DDP's buckets under every overlap strategy (``chunk_mb``), the comm
 hooks, and the torch.distributed backend's all_reduce (docs/performance.md, "Figures behind the code's choices").
 
-Division by the number of ranks lives here too: a chunk is divided just
-before it is reduced, while it is still in cache, never the whole buffer
-in a separate pass.
+Division by the number of ranks lives here too (``divide``), with its one
+rule: mpidp divides before the sum, as torch's DDP and its comm hooks do (an
+average of N summands stays in the range of a low-precision dtype where their
+sum may not), and a chunk is divided just before it is reduced, while it is
+still in cache, never the whole buffer in a separate pass. DDP's buckets
+under every strategy, the shared-memory window, the comm hooks, sparse
+gradients and the backend's ``premul_sum`` follow it. Two operations divide
+after the sum because their peers define them so, and say where they do: the
+``"avg"`` op of ``mpidp.comm`` (torch's ``ReduceOp.AVG``) and Horovod's
+``Average`` with its ``postscale_factor`` (``mpidp.horovod.reductions``).
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import torch
 
 from .. import settings
 
-__all__ = ["BUCKET_CAP_MB", "CHUNK_MB", "FIRST_BUCKET_MB", "chunk_bytes", "chunk_numel", "pieces"]
+__all__ = ["BUCKET_CAP_MB", "CHUNK_MB", "FIRST_BUCKET_MB", "chunk_bytes", "chunk_numel", "divide",
+           "pieces"]
 
 CHUNK_MB: float = settings.get("MPIDP_CHUNK_MB")
 BUCKET_CAP_MB = 25.0  # torch DDP's bucket_cap_mb
@@ -49,6 +57,9 @@ def pieces(buffer: torch.Tensor, nbytes: int, divisor: int = 1):
     flat = buffer.view(-1)
     count = chunk_numel(nbytes, buffer.element_size())
     for piece in flat.split(count) if flat.numel() > count else (flat,):
-        if divisor != 1:
-            piece.div_(divisor)
-        yield piece
+        yield divide(piece, divisor)
+
+
+def divide(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``tensor`` divided by ``divisor`` in place (before its sum: see the module's rule)."""
+    return tensor.div_(divisor) if divisor != 1 else tensor

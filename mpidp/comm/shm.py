@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from .. import communicators as _communicators
 from .. import settings
+from . import chunking as _chunking
 from . import handle as _handle
 
 __all__ = ["Node", "Window", "node_of"]
@@ -243,8 +244,7 @@ class Window:
         Collective over the node's ranks (and the ``cross`` ranks), each passing
         the same region of its own segment.
         """
-        if divisor != 1:
-            tensor.div_(divisor)
+        _chunking.divide(tensor, divisor)
         peers = self._peers(tensor)
         numel, size, rank = tensor.numel(), self.node.local_size, self.node.local_rank
         label = ("shared-memory allreduce", tensor, "op", "sum")

@@ -14,6 +14,7 @@ import torch
 from mpi4py import MPI
 
 from .. import comm as _comm
+from ..comm import chunking as _chunking
 
 __all__ = ["allreduce_average"]
 
@@ -49,7 +50,7 @@ def allreduce_average(grad: torch.Tensor | None, param: torch.Tensor, *,
         raise ValueError(f"sparse gradients must have one sparse dimension (embedding rows), "
                          f"got {grad.sparse_dim()} for shape {tuple(grad.shape)}")
     indices = grad.indices()[0].contiguous()
-    values = (grad.values() / divisor).contiguous()
+    values = _chunking.divide(grad.values().clone(), divisor).contiguous()
     all_indices, _ = _comm.allgatherv(indices, comm=comm)
     all_values, _ = _comm.allgatherv(values, comm=comm)
     # The indices are the ranks' own coalesced indices of the same parameter: in range.

@@ -90,7 +90,7 @@ def _compressed_pipeline(buffer: torch.Tensor, dtype: torch.dtype, comm, size: i
     flat = buffer.view(-1)
     compressed, received, *floats = _workspace(numel, size, step, dtype, buffer.device)
     if size == 1:
-        flat.div_(size)
+        _chunking.divide(flat, size)
         compressed.copy_(flat)
         flat.copy_(compressed)
         return buffer
@@ -111,7 +111,7 @@ def _compressed_pipeline(buffer: torch.Tensor, dtype: torch.dtype, comm, size: i
     def pack(k: int) -> None:  # divide chunk k (in place: it is overwritten anyway), round it
         at, stop = spans[k]
         piece = flat[at:stop]
-        piece.div_(size)
+        _chunking.divide(piece, size)
         poll()
         compressed[at:stop].copy_(piece)  # the one rounding of this rank's part
         sent[k] = _comm.ialltoall(received[padded(k)], compressed[padded(k)], comm=comm)
