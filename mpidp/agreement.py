@@ -48,11 +48,7 @@ def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
 def any_failed(comm: MPI.Intracomm, failed: bool, label: str) -> bool:
     """True on every rank if ``failed`` is true on any (one 4-byte allreduce)."""
     flag = array.array("i", [bool(failed)])
-    slot = _watchdog.begin(label)
-    try:
-        comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT], MPI.MAX)
-    finally:
-        slot.current = None
+    _watchdog.watched(label, comm.Allreduce, MPI.IN_PLACE, [flag, MPI.INT], MPI.MAX)
     return bool(flag[0])
 
 
@@ -110,11 +106,7 @@ def agree_facts(comm, facts: list[int], problem: bool, describe, what: str, labe
     facts = [*facts, int(problem)]
     both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
     base = _collective_comm(comm)
-    slot = _watchdog.begin(label)
-    try:
-        base.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
-    finally:
-        slot.current = None
+    _watchdog.watched(label, base.Allreduce, MPI.IN_PLACE, both, MPI.MAX)
     n = len(facts)
     if (both[:n] == -both[n:]).all() and not both[n - 1]:
         return

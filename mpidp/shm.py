@@ -235,11 +235,7 @@ class Window:
         # freed collectively. It relies on what MPICH, Open MPI and Intel MPI do:
         # their shared-memory barriers publish arrival with release atomics and
         # wait with acquire ones, so writes before the barrier are seen after it.
-        slot = _watchdog.begin(label)
-        try:
-            self.node.node.Barrier()
-        finally:
-            slot.current = None
+        _watchdog.watched(label, self.node.node.Barrier)
 
     def allreduce(self, tensor: torch.Tensor, divisor: int = 1) -> None:
         """Sum ``tensor`` (a region of this window) over all ranks, in place; divided first if asked.

@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from . import comm as _comm
 from . import errors as _errors
+from . import recorder as _recorder
 from .comm import checks as _checks
 from . import watchdog as _watchdog
 from .chunks import Chunks
@@ -74,8 +75,9 @@ class CallCheck:
         self.call = call
         self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
-        self._request = _comm._collective_comm(pool).Iallreduce(
-            MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
+        comm = _comm._collective_comm(pool)
+        self._ticket = _recorder.started(comm, "call check", self.reduced.size, "int64", (), call)
+        self._request = comm.Iallreduce(MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
         self._label = (call + " (its call check)", tensor)  # formatted only in a report
 
     @property
@@ -86,9 +88,12 @@ class CallCheck:
 
     def is_completed(self) -> bool:
         try:
-            return self._request.Test()
+            done = self._request.Test()
         except MPI.Exception as error:
             raise _errors.mpi_failure(self._LABEL, error) from error
+        if done:
+            self._ended()
+        return done
 
     def wait(self) -> np.ndarray:
         slot = _watchdog.begin(self._label, None, True)
@@ -98,7 +103,12 @@ class CallCheck:
             raise _errors.mpi_failure(self._LABEL, error) from error
         finally:
             slot.current = None
+        self._ended()
         return self.reduced
+
+    def _ended(self) -> None:
+        _recorder.ended(self._ticket)
+        self._ticket = -1
 
     def error(self) -> CallMismatch | None:
         problem = _checks.fingerprint_problem(self.reduced, self._own)

@@ -17,8 +17,8 @@ PACKAGE = ROOT / "mpidp"
 LAYERS = [
     ("base", ["settings", "errors", "_args", "communicators", "address", "buckets", "step",
               "monitor", "generators", "comm.dtypes", "zero.elementwise", "horovod.timeline",
-              "horovod.compression", "store_server"]),
-    ("runtime", ["runtime", "topology", "cuda", "stall_report", "watchdog", "sampler"]),
+              "horovod.compression", "store_server", "recorder", "trace"]),
+    ("runtime", ["runtime", "topology", "cuda", "stacks", "stall_report", "watchdog", "sampler"]),
     ("communication", ["comm", "comm.*", "agreement", "objects", "optimizer", "shm", "sparse",
                        "layout", "outcome", "replica", "operands", "store", "rendezvous",
                        "preemption"]),

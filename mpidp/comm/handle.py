@@ -7,6 +7,7 @@ import threading
 from mpi4py import MPI
 
 from .. import errors as _errors
+from .. import recorder as _recorder
 from .. import watchdog as _watchdog
 
 __all__ = ["Handle"]
@@ -47,6 +48,9 @@ def wait_request(request: MPI.Request, label=None) -> None:
         slot.current = None
 
 
+_HERE = object()  # Handle's default scope: the creating thread's innermost
+
+
 class Handle:
     """A pending nonblocking operation that owns its tensors until it completes.
 
@@ -55,15 +59,17 @@ class Handle:
     progress).
     """
 
-    __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "__weakref__")
+    __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "_ticket",
+                 "__weakref__")
 
-    def __init__(self, request, tensors, result, finish=None, label=None):
+    def __init__(self, request, tensors, result, finish=None, label=None, scope=_HERE, ticket=-1):
         self._request = request
         self._tensors = tensors
         self._result = result
         self._finish = finish
         self._label = label  # what wait() waits in, for stall reports (mpidp.watchdog)
-        self._scope = _watchdog.context()
+        self._scope = _watchdog.context() if scope is _HERE else scope
+        self._ticket = ticket  # its flight recorder entry (mpidp.recorder)
         _in_flight.add(self)
 
     def wait(self):
@@ -92,6 +98,7 @@ class Handle:
             raise
         if done is False:
             return False
+        _recorder.ended(self._ticket)
         finish = self._finish
         self._release()
         if finish is not None:
@@ -103,29 +110,45 @@ class Handle:
         _in_flight.discard(self)
 
 
+def _record(comm, label, scope, nonblocking: bool) -> int:
+    """The flight recorder's entry for a collective labelled ``(name, tensor, key, value...)``;
+    a nonblocking one is named as such (MPI never matches it with a blocking one)."""
+    name, tensor = label[0], label[1]
+    if nonblocking:
+        name = "i" + name
+    if tensor is None:
+        return _recorder.started(comm, name, 0, None, label[2:], scope)
+    return _recorder.started(comm, name, tensor.numel(), tensor.dtype, label[2:], scope)
+
+
 def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocking: bool,
            label=None):
     """Run MPI collective ``name`` (blocking) or its ``I``-form, returning tensor or Handle.
 
-    ``label`` names the call in stall reports (``mpidp.watchdog``), built only then.
+    ``label`` names the call in stall reports (``mpidp.watchdog``), built only then,
+    and is what the flight recorder (``mpidp.recorder``) notes of it:
+    ``(name, tensor, key, value, ...)``.
     """
+    scope = _watchdog.context()
+    ticket = _record(comm, label, scope, nonblocking)
     if nonblocking:
         try:
             request = getattr(comm, "I" + name.lower())(*args)
         except MPI.Exception as error:
             raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
-        return Handle(request, keep, result, finish, label)
+        return Handle(request, keep, result, finish, label, scope, ticket)
     try:
         if _driving():  # never block on that thread: the I-form, driven
             wait_request(getattr(comm, "I" + name.lower())(*args))
         else:
-            slot = _watchdog.begin(label)
+            slot = _watchdog.begin(label, scope)
             try:
                 getattr(comm, name)(*args)
             finally:
                 slot.current = None
     except MPI.Exception as error:
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
+    _recorder.ended(ticket)
     if finish is not None:
         finish()
     return result

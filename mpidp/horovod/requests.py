@@ -44,6 +44,7 @@ import torch
 from mpi4py import MPI
 
 from .. import agreement as _agreement
+from .. import recorder as _recorder
 from .. import watchdog as _watchdog
 from ..comm.dtypes import _DTYPES
 from . import state as _state
@@ -128,6 +129,7 @@ class Control:
 
     def __init__(self, process_set: _sets.ProcessSet, words: np.ndarray):
         self.words, self.size = words, process_set.control.Get_size()
+        self.ticket = _recorder.started(process_set.control, "hvd control", words.size, "int64")
         self.request = process_set.control.Iallreduce(MPI.IN_PLACE, [words, MPI.INT64_T],
                                                       MPI.BOR)
 
@@ -139,6 +141,7 @@ class Control:
             finally:
                 slot.current = None
             self.request = None
+            _recorder.ended(self.ticket)
         return Descriptor(self.words, self.size)
 
 
