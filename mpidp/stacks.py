@@ -51,6 +51,7 @@ _beat = 0.0  # when heartbeat() last re-armed faulthandler's timer
 _beat_seconds = 0.0
 _pid = None  # the process that armed (a fork's child is not it)
 _clock = time.monotonic
+_PEERS_SECONDS = 1.5
 
 
 def signals_from_setting() -> tuple[int, ...]:
@@ -106,6 +107,10 @@ def _ended_by(number, _frame) -> None:
     """The handler where the default action was to end: write the flight record, then end."""
     if _pid == os.getpid():
         recorder.dump(f"signal {signal.Signals(number).name}")
+        # The launcher ends the other ranks as soon as this one is gone; a rank whose
+        # main thread sits in C writes its record from the watchdog thread (poll), at
+        # its next wake-up, at most a second away.
+        time.sleep(_PEERS_SECONDS)
     signal.signal(number, signal.SIG_DFL)
     os.kill(os.getpid(), number)
 
