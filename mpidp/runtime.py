@@ -242,7 +242,7 @@ def _unread_bytes(fd: int) -> int:
 def _abort(lines: list[str], status: int) -> None:
     """Print ``lines`` on stderr, each prefixed with the rank, let them reach the user, abort."""
     _library_exit["quiet"] = True  # these lines say why; MPI may exit() the process meanwhile
-    _last_words(f"the job ends (status {status}): {lines[0].strip()}")
+    _last_words(f"the job ends (status {status}): {(lines[0].strip().splitlines() or [''])[0]}")
     prefix = f"[mpidp rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}] "
     text = "".join(prefix + line + "\n" for block in lines for line in block.splitlines())
     for stream in (sys.stdout, sys.stderr):  # what the program printed comes first

@@ -153,11 +153,13 @@ def poll() -> bool:
 
 
 def stack_lines(frame, limit: int = 12) -> list[str]:
-    """``file:line in function`` for ``frame`` and its callers, innermost first."""
-    lines = []
+    """``file:line in function`` for ``frame`` and its callers, innermost first (files
+    under the working directory named relative to it)."""
+    lines, here = [], os.getcwd() + os.sep
     while frame is not None and len(lines) < limit:
         code = frame.f_code
-        lines.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        name = os.path.abspath(code.co_filename).removeprefix(here)
+        lines.append(f"{name}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back
     return lines
 

@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import comm as _comm
-from . import errors as _errors
-from . import recorder as _recorder
+from . import comm as _comm, errors as _errors, recorder as _recorder
 from .comm import checks as _checks
 from . import watchdog as _watchdog
 from .chunks import Chunks
@@ -75,8 +73,8 @@ class CallCheck:
         self.call = call
         self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
-        comm = _comm._collective_comm(pool)
-        self._ticket = _recorder.started(comm, "call check", self.reduced.size, "int64", (), call)
+        self._ticket = _recorder.started(comm := _comm._collective_comm(pool), "call check", 10,
+                                         "int64", (), call)
         self._request = comm.Iallreduce(MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX)
         self._label = (call + " (its call check)", tensor)  # formatted only in a report
 
@@ -91,9 +89,7 @@ class CallCheck:
             done = self._request.Test()
         except MPI.Exception as error:
             raise _errors.mpi_failure(self._LABEL, error) from error
-        if done:
-            self._ended()
-        return done
+        return done and _recorder.ended(self._ticket) is None
 
     def wait(self) -> np.ndarray:
         slot = _watchdog.begin(self._label, None, True)
@@ -103,12 +99,8 @@ class CallCheck:
             raise _errors.mpi_failure(self._LABEL, error) from error
         finally:
             slot.current = None
-        self._ended()
-        return self.reduced
-
-    def _ended(self) -> None:
         _recorder.ended(self._ticket)
-        self._ticket = -1
+        return self.reduced
 
     def error(self) -> CallMismatch | None:
         problem = _checks.fingerprint_problem(self.reduced, self._own)
