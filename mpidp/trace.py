@@ -20,7 +20,6 @@ no MPI.
 
 from __future__ import annotations
 
-import datetime
 import glob
 import json
 import os
@@ -86,8 +85,9 @@ def _wall(data: dict, monotonic: float) -> float:
     return anchor["wall"] + monotonic - anchor["monotonic"]
 
 
-def _when(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds).strftime("%H:%M:%S.%f")[:-3]
+def _when(seconds: float, ranks: dict[int, dict]) -> str:
+    """Seconds since the first rank's import (its recorder's anchor), by the wall clock."""
+    return f"{seconds - min(d['anchor']['wall'] for d in ranks.values()):.3f} s after start-up"
 
 
 def _described(entry: dict) -> str:
@@ -128,13 +128,13 @@ def _first_problem(key, owner, members, held, ranks) -> dict | None:
         when = min(_wall(ranks[r], e["start"]) for r, e in present.items())
         where = f"{key} ({owner}), collective #{seq}"
         if len(signatures) > 1:
-            lines = [f"first divergence on {where}, started {_when(when)}:"]
+            lines = [f"first divergence on {where}, started {_when(when, ranks)}:"]
             for group in sorted(signatures.values(), key=min):
                 lines.append(f"    {_rank_words(group)}: {_described(present[group[0]])}")
             return dict(when=when, kind="differ", ranks=signatures, lines=lines)
         if absent:
             sample = next(iter(present.values()))
-            lines = [f"never arrived on {where}, started {_when(when)} by "
+            lines = [f"never arrived on {where}, started {_when(when, ranks)} by "
                      f"{_rank_words(sorted(present))}: {_described(sample)}"]
             for rank in absent:
                 mine = held.get(rank, {})
