@@ -75,8 +75,7 @@ from mpi4py import MPI
 from . import settings
 from . import runtime
 from . import communicators as _communicators
-from . import recorder as _recorder
-from . import stacks as _stacks
+from . import recorder as _recorder, stacks as _stacks
 from . import stall_report
 from ._args import check_number
 from .stall_report import ABORT_STATUS
@@ -235,7 +234,8 @@ class Scope:
     Args:
         what: a ``str.format`` template filled with ``args``, or a callable called
             with them; evaluated only when a report is due.
-        args: its arguments.
+        args: its arguments: plain values, never tensors (the flight recorder
+            keeps the Scope of its last collectives).
         timeout: seconds the calls inside may wait (0: never reported); None
             keeps the enclosing scope's, or the process-wide one.
         source: how the report names where ``timeout`` came from.
