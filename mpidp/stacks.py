@@ -49,6 +49,7 @@ _signals: tuple[int, ...] = ()  # the signals faulthandler writes on
 _seen = 0  # the file's size when poll() last looked
 _beat = 0.0  # when heartbeat() last re-armed faulthandler's timer
 _beat_seconds = 0.0
+_handlers_changed = False  # rearm() ran since poll() last looked
 _pid = None  # the process that armed (a fork's child is not it)
 _clock = time.monotonic
 _PEERS_SECONDS = 1.5
@@ -92,8 +93,10 @@ def arm() -> None:
 
 def rearm() -> None:
     """Register faulthandler again on top of whatever ``signal.signal`` installed (main thread)."""
+    global _handlers_changed
     if _file is None or _pid != os.getpid():
         return
+    _handlers_changed = True  # a signal poll() sees now may have met the handler before
     for number in _signals:
         faulthandler.unregister(number)  # else register() keeps the handler it saved first
         faulthandler.register(number, file=_file, all_threads=True, chain=True)
@@ -134,10 +137,11 @@ def poll() -> bool:
 
     Returns whether stacks were written.
     """
-    global _seen
+    global _seen, _handlers_changed
     if _file is None or _pid != os.getpid():
         return False
     size = os.fstat(_file.fileno()).st_size
+    changed, _handlers_changed = _handlers_changed, False
     if size == _seen:
         return False
     _seen = size
@@ -146,7 +150,7 @@ def poll() -> bool:
            "a signal (faulthandler wrote every thread's stack)")
     recorder.dump(why)
     owned = _owned()
-    if owned and not late:
+    if owned and not late and not changed:  # else the signal may have met another handler
         time.sleep(1.0)  # the main thread's handler ends the process if it can run
         os._exit(128 + owned[0])
     return True
