@@ -121,16 +121,18 @@ def timed(call, repeats: int) -> float:
 
 
 def compare(name: str, call, repeats: int, rounds: int, parts=("record", "thread"),
-            **fields) -> dict:
+            toggle=None, **fields) -> dict:
+    """Rounds of ``call`` with ``toggle(on, parts)`` (default: ``switch``) on and off."""
+    toggle = toggle or switch
     samples = {True: [], False: []}
     ratios = []
     for index in range(rounds):
         # on-off, then off-on: a drift of the machine's speed cancels within two rounds
         for on in (True, False) if index % 2 == 0 else (False, True):
-            switch(on, parts)
+            toggle(on, parts)
             samples[on].append(timed(call, repeats))
         ratios.append(samples[True][-1] / samples[False][-1])
-    switch(True)
+    toggle(True, parts)
     on, off = statistics.median(samples[True]), statistics.median(samples[False])
     ratio = statistics.median(ratios)
     return dict(kind=name, switched="+".join(parts), ranks=COMM.size, us_on=on * 1e6,
@@ -146,7 +148,7 @@ def small_model():
     return nn.Sequential(*layers), batches, nn.functional.mse_loss
 
 
-def ddp_step_row(model_name: str, rounds: int) -> dict:
+def ddp_step_row(model_name: str, rounds: int, toggle=None, parts=("record", "thread")) -> dict:
     if model_name == "small":
         model, batches, loss_fn = small_model()
         ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.05, first_bucket_mb=0.05,
@@ -169,7 +171,8 @@ def ddp_step_row(model_name: str, rounds: int) -> dict:
     once = COMM.allreduce(time.perf_counter() - start, op=MPI.MAX)
     repeats = max(2, min(100, int(0.2 / once)))  # about 0.2 s per sample
     buckets = len(ddp.reducer.buckets)
-    row = compare("ddp-step", step, repeats, rounds, model=model_name, buckets=buckets)
+    row = compare("ddp-step", step, repeats, rounds, parts, toggle, model=model_name,
+                  buckets=buckets)
     ddp.close()
     return row
 

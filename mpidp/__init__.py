@@ -23,7 +23,7 @@ from . import (
     zero,
 )
 from . import rendezvous, store
-from . import checkpoint, generators, preemption
+from . import checkpoint, generators, preemption, recorder
 from .checkpoint import Checkpointer
 from .ddp.data_parallel import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
@@ -47,7 +47,7 @@ __all__ = [
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
-    "checkpoint", "generators", "preemption",
+    "checkpoint", "generators", "preemption", "recorder",
     "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "store", "topology",
     "watchdog", "zero",
     "rank_topology",

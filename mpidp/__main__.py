@@ -1,5 +1,8 @@
 """Command line, under ``mpiexec -n N``: ``info`` prints the job's layout, ``run`` runs a program.
 
+``python -m mpidp trace DIR`` (no ``mpiexec``) reads the ranks' flight records in DIR
+and names the first collective where they part (``mpidp.trace``).
+
 ``python -m mpidp run train.py [args]`` (or ``run -m package.module [args]``) runs
 the program as ``__main__`` on every rank, as ``python train.py`` would, after
 mpidp's start-up: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...
@@ -19,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import rendezvous, runtime, topology
+from mpidp import rendezvous, runtime, topology, trace
 from mpidp.comm.handle import collective
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
@@ -117,7 +120,11 @@ def main(argv=None) -> int:
     launch.add_argument("-m", dest="module", action="store_true",
                         help="run a module, as python -m does")
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args] or module [args]")
+    lineup = commands.add_parser("trace", help="line up the ranks' flight records in DIR (no mpiexec)")
+    lineup.add_argument("folder", metavar="DIR", help="MPIDP_TRACE_DIR, or mpidp-trace-<job>")
     args = parser.parse_args(argv)
+    if args.command == "trace":
+        return trace.main(args.folder)
     if args.command == "run":
         if not args.target:
             parser.error("run: give a script (or -m and a module) to run")

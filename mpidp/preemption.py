@@ -34,7 +34,7 @@ import threading
 from mpi4py import MPI
 
 from .comm import agreement
-from . import runtime
+from . import runtime, stacks
 
 __all__ = ["EXIT_STATUS", "DEFAULT_SIGNALS", "signal_numbers", "arm", "disarm", "armed", "requested", "received",
            "clear", "agree_stop", "agreed_by", "exit_for_requeue"]
@@ -107,6 +107,7 @@ def arm(signals=DEFAULT_SIGNALS) -> tuple[int, ...]:
         previous = signal.signal(number, _handler)
         if previous is not _handler:
             _previous[number] = previous
+    stacks.rearm()  # signal.signal replaced faulthandler's stack dump (MPIDP_TRACE_SIGNALS)
     return numbers
 
 
@@ -115,6 +116,7 @@ def disarm() -> None:
     while _previous:
         number, previous = _previous.popitem()
         signal.signal(number, previous if previous is not None else signal.SIG_DFL)
+    stacks.rearm()
 
 
 def armed() -> tuple[int, ...]:

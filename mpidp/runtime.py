@@ -242,6 +242,7 @@ def _unread_bytes(fd: int) -> int:
 def _abort(lines: list[str], status: int) -> None:
     """Print ``lines`` on stderr, each prefixed with the rank, let them reach the user, abort."""
     _library_exit["quiet"] = True  # these lines say why; MPI may exit() the process meanwhile
+    _last_words(f"the job ends (status {status}): {(lines[0].strip().splitlines() or [''])[0]}")
     prefix = f"[mpidp rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}] "
     text = "".join(prefix + line + "\n" for block in lines for line in block.splitlines())
     for stream in (sys.stdout, sys.stderr):  # what the program printed comes first
@@ -395,6 +396,23 @@ _library_exit: dict = {"pid": None, "quiet": False, "key": None, "hook": None, "
 _describe_calls = list  # what this rank's threads wait in: set by mpidp.watchdog at its import
 
 
+def _nothing(_reason: str) -> None:
+    pass
+
+
+_last_words = _nothing  # writes the flight record before the job ends: set by mpidp.watchdog
+
+
+def set_last_words(write) -> None:
+    """``write(reason)`` runs before this rank ends the job (an abort, the library's exit).
+
+    mpidp.watchdog registers the flight recorder's dump (``mpidp.recorder``); it must
+    never raise.
+    """
+    global _last_words
+    _last_words = write
+
+
 def set_call_describer(describe) -> None:
     """``describe()`` -> lines naming what each thread waits in, for the exit report.
 
@@ -412,6 +430,7 @@ def _report_library_exit(_arg) -> None:
     try:
         calls = _describe_calls()
         where = "; ".join(calls) if calls else "no mpidp call that the stall watchdog records"
+        _last_words(f"the MPI library ended this process in {where}")
         error = errors.mpi_failure(where, RuntimeError("it ended this process (see its error "
                                                        "stack above)"))
         prefix = f"[mpidp rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}] "

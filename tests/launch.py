@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +29,16 @@ def _oversubscribe_flags(launcher: str) -> list[str]:
 def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python args...`` on ``nprocs`` ranks; fail the test on a non-zero exit or a hang."""
+    # The flight recorder's files (mpidp.recorder) go to a directory of the launch's own,
+    # removed after it, unless the test names one to read.
+    with tempfile.TemporaryDirectory(prefix="mpidp-trace-") as traces:
+        return _run(nprocs, args, timeout, {"MPIDP_TRACE_DIR": traces, **(env or {})}, check)
+
+
+def _run(nprocs, args, timeout, env, check) -> subprocess.CompletedProcess:
     launcher = mpiexec()
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    full_env.update(env or {})
+    full_env.update(env)
     command = [launcher, *_oversubscribe_flags(launcher), "-n", str(nprocs),
                sys.executable, *args]
     try:

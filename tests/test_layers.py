@@ -17,8 +17,8 @@ PACKAGE = ROOT / "mpidp"
 LAYERS = [
     ("base", ["settings", "errors", "_args", "communicators", "address", "generators",
               "comm.dtypes", "zero.elementwise", "horovod.timeline", "horovod.compression",
-              "store.server"]),
-    ("runtime", ["runtime", "topology", "cuda", "watchdog", "watchdog.*", "sampler"]),
+              "store.server", "recorder", "trace"]),
+    ("runtime", ["runtime", "topology", "cuda", "stacks", "watchdog", "watchdog.*", "sampler"]),
     ("communication", ["comm", "comm.*", "objects", "optimizer", "store", "rendezvous",
                        "preemption"]),
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),

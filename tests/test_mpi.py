@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -290,9 +291,29 @@ def test_watchdog_names_every_kind_of_collective_a_late_rank_holds_up():
             in found[0], found[0]
 
 
+def _trace(folder) -> tuple[int, str]:
+    """``python -m mpidp trace folder``, as a user runs it: (exit status, output)."""
+    done = subprocess.run([sys.executable, "-m", "mpidp", "trace", str(folder)], cwd=launch.ROOT,
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _findings(output: str) -> list[str]:
+    """The numbered findings of a trace and their indented lines, one string each."""
+    found: list[str] = []
+    for line in output.splitlines():
+        if re.match(r"\d+\. ", line):
+            found.append(line)
+        elif line.startswith("    ") and found and not found[-1].startswith("started"):
+            found[-1] += "\n" + line
+        elif found:
+            found.append(line)
+    return found
+
+
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_watchdog_names_a_rank_that_skipped_a_collective(nprocs):
-    result, _ = _stall(nprocs, "skip")
+def test_watchdog_names_a_rank_that_skipped_a_collective(nprocs, tmp_path):
+    result, _ = _stall(nprocs, "skip", env={"MPIDP_TRACE_DIR": str(tmp_path)})
     assert result.returncode != 0
     _check_lines(result, nprocs, range(nprocs))
     groups = _summary(result, nprocs)
@@ -302,6 +323,39 @@ def test_watchdog_names_a_rank_that_skipped_a_collective(nprocs):
     assert groups["rank 1"].startswith("waiting in allreduce op=max dtype=int64 count=1 at ")
     assert "comm=other" in _source_of(groups["rank 1"])
     assert groups["end"] == "aborting the job (MPIDP_TIMEOUT_ACTION=abort)"
+    # every rank wrote its flight record; the trace names the collective rank 1 skipped (and
+    # the one it entered instead, which the others never reached: both start at the same
+    # moment, so either may come first)
+    assert sorted(p.name for p in tmp_path.glob("rank-*.json")) == \
+        [f"rank-{r:05d}.json" for r in range(nprocs)]
+    status, output = _trace(tmp_path)
+    assert status == 1, output
+    others = _rank_names([r for r in range(nprocs) if r != 1])
+    skipped = [f for f in _findings(output)[:2]
+               if f"by {others}: allreduce op=sum count=4 dtype=float32" in f]
+    assert len(skipped) == 1 and "never arrived on ranks 0-" in skipped[0], output
+    assert "    rank 1 never started it" in skipped[0], output
+    assert f"rank 1: allreduce op=max count=1 dtype=int64 on ranks 0-{nprocs - 1} (not made by " \
+        f"mpidp) #0, collective #1" in output, output
+    # the summary carries each rank's stack, down to the line of stall.py
+    assert "stack of rank 1, thread MainThread (innermost first):" in result.stderr
+    line = next(n for n, text in enumerate(STALL_SOURCE, 1) if '"max", comm=other' in text)
+    assert f"    {STALL}:{line} in skip" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("nprocs", [3])
+def test_trace_names_a_rank_that_issued_a_different_collective(nprocs, tmp_path):
+    result, _ = _stall(nprocs, "differ", env={"MPIDP_TRACE_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    status, output = _trace(tmp_path)
+    assert status == 1, output
+    first = _findings(output)[0]
+    others = _rank_names([r for r in range(nprocs) if r != 1])
+    assert first.startswith(f"1. first divergence on ranks 0-{nprocs - 1} #"), output
+    assert ", collective #1, started " in first, output
+    assert f"    {others}: allreduce op=sum count=4 dtype=float32" in first, output
+    assert "    rank 1: broadcast root=0 count=4 dtype=float32" in first, output
+    assert (tmp_path / "summary.txt").read_text().startswith("stall summary: ")
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
@@ -371,12 +425,47 @@ def test_watchdog_checks_its_arguments(nprocs):
     assert all(f"rank {r} checks passed" in result.stdout for r in range(nprocs))
 
 
-def test_watchdog_says_which_rank_cannot_answer():
-    result, _ = _stall(3, "gil", "1")  # rank 1 sleeps in C with the GIL held
+def test_watchdog_says_which_rank_cannot_answer(tmp_path):
+    # rank 1 sleeps in C with the GIL held
+    result, _ = _stall(3, "gil", "1", env={"MPIDP_TRACE_DIR": str(tmp_path)})
     assert result.returncode != 0
     groups = _summary(result, 3)
     assert groups["ranks 0, 2"].startswith("waiting in DDP step 3 bucket 1/")
     assert groups["rank 1"].startswith("no report (not reachable: dead, or no Python thread")
+    # faulthandler's own thread wrote its stacks, down to the line that holds the GIL
+    line = next(n for n, text in enumerate(STALL_SOURCE, 1) if "keeps the GIL" in text)
+    stacks = (tmp_path / "rank-00001.stacks.txt").read_text()
+    assert f'tests/mpi/stall.py", line {line} in train' in stacks, stacks
+
+
+def test_a_launcher_that_ends_the_job_leaves_every_ranks_stacks_and_record(tmp_path):
+    """SIGTERM to mpiexec (what srun and mpiexec do at a time limit) long before MPIDP_TIMEOUT:
+    rank 0 sits in C in a DDP bucket, rank 1 in Python; both write stacks and flight record."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPIDP_TIMEOUT="600",
+               MPIDP_TRACE_DIR=str(tmp_path), MPIDP_SHARED_MEMORY="0")
+    job = subprocess.Popen([launch.mpiexec(), "-n", "2", sys.executable, STALL, "sleep", "1"],
+                           cwd=launch.ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen, deadline = "", time.time() + 120
+        while seen.count(" stalls at ") < 2 and time.time() < deadline:
+            seen += job.stdout.readline()
+        assert seen.count(" stalls at ") == 2, seen
+        time.sleep(2)  # both inside their stall
+        job.send_signal(signal.SIGTERM)
+        output = seen + job.communicate(timeout=60)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output
+    for rank in range(2):
+        stacks = (tmp_path / f"rank-{rank:05d}.stacks.txt").read_text()
+        assert f'tests/mpi/stall.py", line' in stacks and " in train" in stacks, stacks
+    assert "in _fence" in (tmp_path / "rank-00000.stacks.txt").read_text() or \
+        "in _start" in (tmp_path / "rank-00000.stacks.txt").read_text()
+    status, trace = _trace(tmp_path)
+    assert "flight records of ranks 0-1 of 2" in trace, trace + output
+    assert "rank 0: allreduce op=sum" in trace and "(DDP step 3 bucket 1/" in trace, trace
 
 
 def test_watchdog_ranks_end_the_job_when_rank_0_cannot():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .. import watchdog as _watchdog
 from . import checks as _checks
 from .checks import _check_root, _check_same_call, _check_tensor, _overlap
 from .dtypes import _buffer, _check_op, _dtype_name, _reduction
@@ -339,14 +338,9 @@ def _barrier_comm(comm, nonblocking: bool) -> MPI.Intracomm:
 
 def barrier(*, comm=None) -> None:
     """Block until every rank of ``comm`` has entered the barrier."""
-    comm = _barrier_comm(comm, False)
-    slot = _watchdog.begin("barrier")
-    try:
-        comm.Barrier()
-    finally:
-        slot.current = None
+    _start(_barrier_comm(comm, False), "Barrier", (), (), None, None, False, ("barrier", None))
 
 
 def ibarrier(*, comm=None) -> Handle:
     """Start a barrier without blocking."""
-    return Handle(_barrier_comm(comm, True).Ibarrier(), (), None, label="barrier")
+    return _start(_barrier_comm(comm, True), "Barrier", (), (), None, None, True, ("barrier", None))

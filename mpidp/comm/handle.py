@@ -7,6 +7,7 @@ import threading
 from mpi4py import MPI
 
 from .. import errors as _errors
+from .. import recorder as _recorder
 from .. import watchdog as _watchdog
 
 __all__ = ["Handle"]
@@ -71,7 +72,7 @@ def collective(comm: MPI.Intracomm, name: str, args, label):
     ``name`` is mpi4py's: a buffer form (``"Allreduce"``, ``"Barrier"``...: control
     words, a flag), or a pickled object form (``"allgather"``, ``"bcast"``...: small
     Python objects, trusted because only ranks of the job send them). Watched under
-    ``label``, MPI errors mapped. On the never-blocking thread a buffer form is driven;
+    ``label``, an entry of the flight recorder, MPI errors mapped. On the never-blocking thread a buffer form is driven;
     a pickled form has no nonblocking twin, so it raises there (rule 3).
     """
     if name[0].isupper():
@@ -79,6 +80,7 @@ def collective(comm: MPI.Intracomm, name: str, args, label):
     if _driving():
         raise RuntimeError(f"{_watchdog._label_text(label)}: a pickled collective cannot run on "
                            f"the progress thread, which must never block (docs/concurrency.md, rule 3)")
+    ticket = _recorder.started(comm, name, -1, None, (), label if isinstance(label, str) else None)
     slot = _watchdog.begin(label)
     try:
         return getattr(comm, name)(*args)
@@ -86,6 +88,10 @@ def collective(comm: MPI.Intracomm, name: str, args, label):
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
     finally:
         slot.current = None
+        _recorder.ended(ticket)
+
+
+_HERE = object()  # Handle's default scope: the creating thread's innermost
 
 
 class Handle:
@@ -96,15 +102,17 @@ class Handle:
     progress).
     """
 
-    __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "__weakref__")
+    __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "_ticket",
+                 "__weakref__")
 
-    def __init__(self, request, tensors, result, finish=None, label=None):
+    def __init__(self, request, tensors, result, finish=None, label=None, scope=_HERE, ticket=-1):
         self._request = request
         self._tensors = tensors
         self._result = result
         self._finish = finish
         self._label = label  # what wait() waits in, for stall reports (mpidp.watchdog)
-        self._scope = _watchdog.context()
+        self._scope = _watchdog.context() if scope is _HERE else scope
+        self._ticket = ticket  # its flight recorder entry (mpidp.recorder)
         _in_flight.add(self)
 
     def wait(self):
@@ -133,6 +141,7 @@ class Handle:
             raise
         if done is False:
             return False
+        _recorder.ended(self._ticket)
         finish = self._finish
         self._release()
         if finish is not None:
@@ -144,25 +153,46 @@ class Handle:
         _in_flight.discard(self)
 
 
+def _record(comm, call: str, label, scope, nonblocking: bool) -> int:
+    """The flight recorder's entry for MPI call ``call`` labelled ``(name, tensor, key, value...)``,
+    or, for what is not a tensor (``collective``), by a text; a nonblocking one is named as
+    such (MPI never matches it with a blocking one)."""
+    if isinstance(label, tuple):
+        name, tensor, extra = label[0], label[1], label[2:]
+    else:
+        name, tensor, extra = call.lower(), None, ()
+        scope = label if isinstance(label, str) else scope
+    if nonblocking:
+        name = "i" + name
+    if tensor is None:
+        return _recorder.started(comm, name, 0, None, extra, scope)
+    return _recorder.started(comm, name, tensor.numel(), tensor.dtype, extra, scope)
+
+
 def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocking: bool,
            label=None):
     """Run MPI collective ``name`` (blocking) or its ``I``-form, returning tensor or Handle.
 
-    ``label`` names the call in stall reports (``mpidp.watchdog``), built only then.
+    ``label`` names the call in stall reports (``mpidp.watchdog``), built only then,
+    and is what the flight recorder (``mpidp.recorder``) notes of it:
+    ``(name, tensor, key, value, ...)``.
     """
+    scope = _watchdog.context()
+    ticket = _record(comm, name, label, scope, nonblocking)
     if nonblocking:
-        return Handle(issue(comm, name, args, label), keep, result, finish, label)
+        return Handle(issue(comm, name, args, label), keep, result, finish, label, scope, ticket)
     try:
         if _driving():  # never block on that thread: the I-form, driven
             _drive(getattr(comm, "I" + name.lower())(*args))
         else:
-            slot = _watchdog.begin(label)
+            slot = _watchdog.begin(label, scope)
             try:
                 getattr(comm, name)(*args)
             finally:
                 slot.current = None
     except MPI.Exception as error:
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
+    _recorder.ended(ticket)
     if finish is not None:
         finish()
     return result

@@ -36,9 +36,8 @@ __all__ = ["TIMEOUT_SOURCE", "BucketLauncher"]
 TIMEOUT_SOURCE = "DistributedDataParallel(timeout=)"  # where a stall report says the timeout came from
 
 
-def _bucket_label(step: int, index: int, count: int, buffer: torch.Tensor) -> str:
-    """How a stall report names a bucket's allreduce (built only for a report)."""
-    size = buffer.numel() * buffer.element_size()
+def _bucket_label(step: int, index: int, count: int, size: int) -> str:
+    """How a stall report names a bucket's allreduce of ``size`` bytes (built only for a report)."""
     amount = f"{size / 2**20:.1f} MB" if size >= 2**20 // 10 else f"{size / 1024:.1f} KB"
     return f"DDP step {step} bucket {index}/{count} ({amount})"
 
@@ -53,7 +52,7 @@ class BucketLauncher:
             bucket = self.buckets[step.next_launch]
             step.next_launch += 1
             with _watchdog.Scope(_bucket_label, self._steps, step.next_launch, len(self.buckets),
-                                 bucket.buffer, timeout=self.timeout, source=TIMEOUT_SOURCE):
+                                 bucket.buffer.nbytes, timeout=self.timeout, source=TIMEOUT_SOURCE):
                 self._start(bucket)
 
     def _start(self, bucket: Bucket) -> None:

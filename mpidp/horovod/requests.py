@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import recorder as _recorder
 from ..comm.handle import issue, wait_request
 from ..comm import agreement as _agreement
 from ..comm.dtypes import _DTYPES
@@ -128,6 +129,7 @@ class Control:
 
     def __init__(self, process_set: _sets.ProcessSet, words: np.ndarray):
         self.words, self.size = words, process_set.control.Get_size()
+        self.ticket = _recorder.started(process_set.control, "hvd control", words.size, "int64")
         self.request = issue(process_set.control, "Allreduce",
                              (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.BOR), "hvd control message")
 
@@ -135,6 +137,7 @@ class Control:
         if self.request is not None:
             wait_request(self.request, f"hvd {label} (control message)")
             self.request = None
+            _recorder.ended(self.ticket)
         return Descriptor(self.words, self.size)
 
 

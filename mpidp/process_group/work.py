@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from .. import comm as _comm
 from .. import errors as _errors
+from .. import recorder as _recorder
 from ..comm import checks as _checks
 from ..comm import handle as _handle
 from .. import watchdog as _watchdog
@@ -76,7 +77,9 @@ class CallCheck:
         self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
         self._label = (call + " (its call check)", tensor)  # formatted only in a report
-        self._request = _handle.issue(_comm._collective_comm(pool), "Allreduce",
+        comm = _comm._collective_comm(pool)
+        self._ticket = _recorder.started(comm, "call check", 10, "int64", (), call)
+        self._request = _handle.issue(comm, "Allreduce",
                                       (MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX),
                                       self._label)
 
@@ -88,12 +91,14 @@ class CallCheck:
 
     def is_completed(self) -> bool:
         try:
-            return self._request.Test()
+            done = self._request.Test()
         except MPI.Exception as error:
             raise _errors.mpi_failure(self._LABEL, error) from error
+        return done and _recorder.ended(self._ticket) is None
 
     def wait(self) -> np.ndarray:
         _handle.wait_request(self._request, self._label, waiting=True)
+        _recorder.ended(self._ticket)
         return self.reduced
 
     def error(self) -> CallMismatch | None:

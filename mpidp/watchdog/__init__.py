@@ -75,6 +75,7 @@ from mpi4py import MPI
 from .. import settings
 from .. import runtime
 from .. import communicators as _communicators
+from .. import recorder as _recorder, stacks as _stacks
 from . import report as stall_report
 from .._args import check_number
 from .report import ABORT_STATUS
@@ -197,13 +198,21 @@ def watched(label, call, *args, **kwargs):
 
     The one door for the blocking calls mpidp makes outside ``mpidp.comm`` (mpi4py's
     pickled object collectives, a few small agreements): a rank that waits in one
-    is named in stall reports like any other collective.
+    is named in stall reports like any other collective. A bound method of a
+    communicator (``comm.allgather``) is also an entry of the flight recorder
+    (``mpidp.recorder``), under the method's name, its element count unknown.
     """
+    comm = getattr(call, "__self__", None)
+    ticket = -1
+    if isinstance(comm, MPI.Comm):
+        ticket = _recorder.started(comm, call.__name__, -1, None, (),
+                                   label if isinstance(label, str) else None)
     slot = begin(label)
     try:
         return call(*args, **kwargs)
     finally:
         slot.current = None
+        _recorder.ended(ticket)
 
 
 def context():
@@ -225,7 +234,8 @@ class Scope:
     Args:
         what: a ``str.format`` template filled with ``args``, or a callable called
             with them; evaluated only when a report is due.
-        args: its arguments.
+        args: its arguments: plain values, never tensors (the flight recorder
+            keeps the Scope of its last collectives).
         timeout: seconds the calls inside may wait (0: never reported); None
             keeps the enclosing scope's, or the process-wide one.
         source: how the report names where ``timeout`` came from.
@@ -280,6 +290,7 @@ def describe_calls() -> list[str]:
 
 
 runtime.set_call_describer(describe_calls)
+runtime.set_last_words(lambda reason: _recorder.dump(reason, describe_calls()))
 
 
 def barrier() -> None:
@@ -289,18 +300,44 @@ def barrier() -> None:
 
 
 def _state(now: float) -> dict:
-    """This rank's state for rank 0: stalled, waiting (under its timeout) or idle."""
+    """This rank's state for rank 0: stalled, waiting (under its timeout) or idle, with the
+    stack of the thread it names; the flight record is written first."""
+    _evidence("asked by rank 0's stall watchdog")
     frames = sys._current_frames()
     calls = _in_progress()
+    main = threading.main_thread().ident
     if not calls:
-        main = frames.get(threading.main_thread().ident)
         return dict(kind="idle", text=f"not in an mpidp collective, main thread at "
-                                      f"{stall_report.site(main)}")
+                                      f"{stall_report.site(frames.get(main))}",
+                    stack=_stacks.stack_lines(frames.get(main)), thread="MainThread")
     slot, record = calls[0]
     limit, _ = _limit(record)
-    elapsed = now - record[1]
-    kind = "stalled" if limit and elapsed > limit else "waiting"
-    return dict(kind=kind, seconds=elapsed, text=stall_report.describe(slot, record, frames))
+    kind = "stalled" if limit and now - record[1] > limit else "waiting"
+    return _call_state(kind, slot, record, now, frames)
+
+
+def _call_state(kind: str, slot: _Slot, record, now: float, frames: dict) -> dict:
+    """What rank 0 hears of a call: its words, how long it waited, the stack that made it."""
+    thread = slot.site or slot.thread
+    return dict(kind=kind, seconds=now - record[1],
+                text=stall_report.describe(slot, record, frames),
+                stack=_stacks.stack_lines(frames.get(thread) or frames.get(slot.thread)),
+                thread=_thread_name(thread))
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+
+
+_evidence_at = -1e9
+
+
+def _evidence(reason: str) -> None:
+    """Write the flight record with every thread's stack (``mpidp.recorder``), once per stall."""
+    global _evidence_at
+    if _clock() - _evidence_at > 2.0:  # a stall's own line and rank 0's question: one file
+        _evidence_at = _clock()
+        _recorder.dump(reason, describe_calls())
 
 
 # -- the watchdog thread ----------------------------------------------------------------------
@@ -334,8 +371,15 @@ def start() -> None:
         return
     comm = _communicators.made(world.Dup(), "the stall watchdog", "the watchdog's thread")
     comm.Set_name("mpidp watchdog")
+    # The flight recorder's directory needs a name alike on every rank: the batch
+    # system's job id, else one that rank 0 picks (the one collective on this
+    # communicator, right after its creation).
+    job = _recorder.scheduler_job() or comm.bcast(
+        f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" if world.Get_rank() == 0 else None)
+    _recorder.set_job(job, world.Get_rank(), world.Get_size())
+    _stacks.arm()
     if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
-        _channel = stall_report.Channel(comm, _state)
+        _channel = stall_report.Channel(comm, _state, _recorder.directory())
     _ensure_thread()
 
 
@@ -384,6 +428,8 @@ def _run() -> None:
 
 def _tick(now: float) -> None:
     global _deadline
+    _stacks.heartbeat(_timeout)  # stacks from C if this thread cannot run again in time
+    _stacks.poll()  # a signal's stacks: the flight record beside them
     # This rank's own stall first: rank 0 may otherwise hear every other rank's
     # report in this poll and print the summary (and abort) before its own line.
     stalled = [(s, r) for s, r in _in_progress()
@@ -409,10 +455,10 @@ def _tick(now: float) -> None:
 def _report_stall(slot: _Slot, record, now: float) -> None:
     global _deadline
     limit, source = _limit(record)
-    state = dict(kind="stalled", seconds=now - record[1],
-                 text=stall_report.describe(slot, record, sys._current_frames()))
+    state = _call_state("stalled", slot, record, now, sys._current_frames())
     stall_report.say(f"stall: waiting {state['seconds']:.1f} s (timeout {limit:g} s from "
                      f"{source}) in {state['text']}")
+    _evidence(f"stall: waiting {state['seconds']:.1f} s in {state['text']}")
     if _channel is not None and _channel.rank == 0:
         _channel.open(now)
     elif _channel is not None:
@@ -421,12 +467,17 @@ def _report_stall(slot: _Slot, record, now: float) -> None:
         _deadline = now + (_SELF_ABORT_SECONDS if _channel is not None else _LOCAL_GRACE_SECONDS)
 
 
-def _conclude(summary: str) -> None:
-    """Rank 0: print the summary of every rank's state, then abort or go on."""
-    line = f"stall summary: {summary}"
+def _conclude(report: list[str]) -> None:
+    """Rank 0: print the summary of every rank's state and their stacks, then abort or go on."""
+    line = f"stall summary: {report[0]}"
+    end = ("aborting the job (MPIDP_TIMEOUT_ACTION=abort)" if _action == "abort" else
+           "going on (MPIDP_TIMEOUT_ACTION=report)")
+    lines = [f"{line}; {end}", *report[1:]]
+    _recorder.write("summary.txt", "\n".join(lines) + "\n")
     if _action == "abort":
-        stall_report.abort(f"{line}; aborting the job (MPIDP_TIMEOUT_ACTION=abort)", _multiple)
-    stall_report.say(f"{line}; going on (MPIDP_TIMEOUT_ACTION=report)")
+        stall_report.abort("\n".join(lines), _multiple)
+    for text in lines:
+        stall_report.say(text)
 
 
 def _stop() -> None:

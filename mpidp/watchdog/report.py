@@ -29,7 +29,12 @@ main thread is. A rank that does not answer is dead or cannot run Python
 (a call that holds the GIL): "no report". The abort status is
 ``ABORT_STATUS`` (124, as GNU ``timeout``).
 
-Imports nothing from mpidp but ``runtime``: the watchdog hands in what it knows.
+Each state carries the stack of the thread it names; rank 0 prints them after the
+summary, ranks with the same stack folded, and names the directory of the
+ranks' flight records (``mpidp.recorder``).
+
+Imports nothing from mpidp but ``runtime`` and ``communicators``: the watchdog hands
+in what it knows.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-from .. import runtime
+from .. import communicators, runtime
 
 __all__ = ["ABORT_STATUS", "Channel", "abort", "describe", "label_text", "ranks_text", "say",
            "set_rank", "site", "summary"]
@@ -128,14 +133,7 @@ def describe(slot, record, frames: dict) -> str:
 
 def ranks_text(ranks) -> str:
     """Name ranks as mpidp.comm's messages do, folding runs: 'rank 3', 'ranks 0-2, 5'."""
-    spans: list[list[int]] = []
-    for rank in sorted(ranks):
-        if spans and spans[-1][1] == rank - 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {communicators.fold(ranks)}"
 
 
 def summary(states: dict[int, dict], size: int) -> str:
@@ -157,6 +155,25 @@ def summary(states: dict[int, dict], size: int) -> str:
         parts.append(f"{ranks_text(missing)}: no report (not reachable: dead, or no Python thread "
                      f"can run there, as in a call that holds the GIL)")
     return "; ".join(parts)
+
+
+def stack_report(states: dict[int, dict], size: int, folder: str) -> list[str]:
+    """The stacks the ranks sent with their states, ranks with the same stack folded,
+    and where each rank's files are (``mpidp.recorder``, ``mpidp.stacks``)."""
+    groups: dict[tuple, list[int]] = {}
+    for rank, state in states.items():
+        groups.setdefault((state.get("thread", "?"), tuple(state.get("stack", ()))), []).append(rank)
+    lines = []
+    for (thread, stack), ranks in sorted(groups.items(), key=lambda g: min(g[1])):
+        lines.append(f"stack of {ranks_text(ranks)}, thread {thread} (innermost first):")
+        lines += [f"    {frame}" for frame in stack] or ["    (none)"]
+    missing = sorted(set(range(size)) - set(states))
+    if missing:
+        lines.append(f"{ranks_text(missing)} sent nothing: faulthandler writes the stacks of a "
+                     f"rank whose GIL stays held to its rank-NNNNN.stacks.txt")
+    lines.append(f"every rank's flight record and stacks: {folder} (python -m mpidp trace "
+                 f"{folder})")
+    return lines
 
 
 # -- printing and ending the job ----------------------------------------------------------
@@ -220,8 +237,9 @@ class Channel:
             and, unless idle, ``seconds``), sent when rank 0 asks.
     """
 
-    def __init__(self, comm: MPI.Intracomm, state: Callable[[float], dict]):
+    def __init__(self, comm: MPI.Intracomm, state: Callable[[float], dict], folder: str = ""):
         self.comm = comm
+        self.folder = folder  # where the ranks write their flight records
         self.state = state
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.peers = list(range(1, self.size)) if self.rank == 0 else [0]
@@ -242,16 +260,21 @@ class Channel:
 
     def tell(self, state: dict, unasked: bool) -> None:
         """Send this rank's state to rank 0 (``unasked``: a stall of its own)."""
-        text = state["text"]
+        text, stack = state["text"], list(state.get("stack", ()))
         while True:
-            data = json.dumps(dict(state, text=text, unasked=unasked), ensure_ascii=False)
+            data = json.dumps(dict(state, text=text, stack=stack, unasked=unasked),
+                              ensure_ascii=False)
             if len(data.encode()) <= _MESSAGE_BYTES:
                 break
-            text = text[:len(text) // 2] + "..."
+            if stack:
+                stack.pop()  # the outermost frames go first
+            else:
+                text = text[:len(text) // 2] + "..."
         self._send(data.encode(), 0, _TAG_LINE)
 
-    def poll(self, now: float) -> str | None:
-        """Handle what arrived; on rank 0, return the summary once a collection closes."""
+    def poll(self, now: float) -> list[str] | None:
+        """Handle what arrived; on rank 0, return the summary line and the stacks once a
+        collection closes."""
         self.sends = [(r, d) for r, d in self.sends if not r.Test()]
         for index, request in enumerate(self.requests):
             if not request.Test(self.status):
@@ -269,7 +292,7 @@ class Channel:
                 self.tell(self.state(now), unasked=False)
         if self.states is not None and (now >= self.closes_at or len(self.states) == self.size):
             states, self.states = self.states, None
-            return summary(states, self.size)
+            return [summary(states, self.size)] + stack_report(states, self.size, self.folder)
         return None
 
     def _heard(self, source: int, state: dict, now: float) -> None:

@@ -8,6 +8,8 @@ Modes:
   next collective, an allreduce on a communicator of its own;
 - ``mismatch``: rank 0 enters a broadcast from the last rank (default pool)
   while the others enter an allreduce on another communicator;
+- ``differ``: rank 1 enters a broadcast where the others enter an allreduce, on the
+  same communicator (the default pool's second member), with the same count;
 - ``sleep RANK [OVERLAP]``: at DDP step 3, ``RANK`` sleeps in user code
   between forward and backward while the others wait in the step's first
   bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 8``
@@ -63,6 +65,15 @@ def mismatch(other: MPI.Intracomm) -> None:
         mpidp.comm.broadcast(torch.zeros(8), SIZE - 1)
     else:
         mpidp.comm.allreduce(torch.ones(2), comm=other)
+
+
+def differ() -> None:
+    mpidp.comm.allreduce(torch.ones(4))
+    stalls()
+    if RANK == 1:
+        mpidp.comm.broadcast(torch.ones(4), 0)  # the others make an allreduce here
+    else:
+        mpidp.comm.allreduce(torch.ones(4))
 
 
 def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: bool = False) -> None:
@@ -122,6 +133,8 @@ def main() -> None:
         skip(other)
     elif mode == "mismatch":
         mismatch(other)
+    elif mode == "differ":
+        differ()
     elif mode in ("sleep", "gil"):
         train(5, args[1] if len(args) > 1 else "auto", int(args[0]), holds_gil=mode == "gil")
     elif mode == "train":

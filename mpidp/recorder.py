@@ -1,0 +1,265 @@
+"""The flight recorder: each rank's last collectives, kept in a ring and written out when asked.
+
+When a job stops moving, the stall watchdog says what each rank waits in now;
+the recorder says what led there. Every collective that mpidp starts, on every
+communicator it uses (``mpidp.comm``'s collectives and with them DDP's buckets,
+the backend's operations, Horovod's, ZeRO's, SyncBatchNorm's; the calls made
+through ``watchdog.watched``; the backend's call checks and Horovod's control
+messages), is one entry: its sequence number on its communicator, the
+operation, the element count and dtype, the communicator's key
+(``mpidp.communicators``), what it is for (the ``watchdog.Scope``: "DDP step 3
+bucket 2/2"), the thread that started it, and its start and end on
+``time.monotonic()``. ``python -m mpidp trace DIR`` lines up the ranks' files
+by communicator and sequence number (``mpidp.trace``).
+
+**Cost.** ``started`` fills a slot of a ring made at import
+(``MPIDP_TRACE_ENTRIES`` slots, default 2048; 0 turns the recorder off): no
+lock, no object made but the clock's float and the extras tuple; the ticket
+and the sequence numbers are ``itertools.count`` steps, one C call each, so
+two threads never take the same one. ``bench/recorder_bench.py`` measures it.
+A slot is reused after ``MPIDP_TRACE_ENTRIES`` later collectives; an end that
+arrives after that is dropped (its ticket no longer matches).
+
+**Files.** ``dump(reason)`` writes ``rank-NNNNN.json`` (the ring, oldest first,
+every communicator's key and owner, what each thread waits in and every
+thread's Python stack) into ``directory()``: ``MPIDP_TRACE_DIR``, by default
+``mpidp-trace-<job>`` in the working directory, where ``<job>`` is the
+scheduler's job id (Slurm, PBS, LSF, Flux, Open MPI's PMIx namespace) or, under
+a bare ``mpiexec``, a name rank 0 chose at import (``set_job``). mpidp dumps on
+a stall (``mpidp.watchdog``), on an error that ends the job (``mpidp.runtime``),
+on a signal (``mpidp.stacks``) and when the program calls ``dump()``.
+
+Imports nothing from mpidp but ``settings`` and ``communicators``, and never calls MPI.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from . import communicators, settings
+
+__all__ = ["dump", "directory", "enabled", "entries", "started", "ended", "write"]
+
+_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "PMIX_NAMESPACE")
+_FORMAT = 1  # the files' layout; mpidp.trace refuses others
+
+
+class _Entry:
+    """One collective of the ring; its fields are rewritten in place when the slot is reused."""
+
+    __slots__ = ("ticket", "channel", "seq", "op", "count", "dtype", "extra", "what", "thread",
+                 "start", "end")
+
+    def __init__(self):
+        self.ticket = -1
+
+
+class _Channel:
+    """A communicator as the recorder knows it: its key and its next sequence number."""
+
+    __slots__ = ("comm", "record", "seq")
+
+    def __init__(self, comm, record):
+        self.comm = comm  # held: its id() keys _channels and must not be reused
+        self.record = record
+        self.seq = itertools.count(1)  # the first collective is #1
+
+
+_size = settings.get("MPIDP_TRACE_ENTRIES")
+_ring = [_Entry() for _ in range(_size)]
+_tickets = itertools.count()
+_channels: dict[int, _Channel] = {}
+_channels_lock = threading.Lock()  # taken only when a communicator is first seen
+_clock = time.monotonic
+_ident = threading.get_ident
+_anchor = (time.time(), time.monotonic())  # the wall clock at one monotonic instant
+_dump_lock = threading.Lock()
+_job: str | None = None
+_rank, _world = 0, 1
+
+
+def enabled() -> bool:
+    """Whether the recorder keeps entries (``MPIDP_TRACE_ENTRIES`` > 0)."""
+    return _size > 0
+
+
+def _channel(comm) -> _Channel:
+    with _channels_lock:
+        found = _channels.get(id(comm))
+        if found is None:
+            found = _channels[id(comm)] = _Channel(comm, communicators.identify(comm))
+        return found
+
+
+def started(comm, op: str, count: int, dtype, extra=(), what=None) -> int:
+    """Record that this thread starts collective ``op`` on ``comm``; returns its ticket for ``ended``.
+
+    Args:
+        comm: the mpi4py communicator it runs on.
+        op: the operation ("allreduce", "Bcast"...).
+        count: elements (-1: not known, as for pickled objects).
+        dtype: a torch dtype, a name, or None.
+        extra: ``(key, value, ...)`` that every rank's call must share ("op", "sum").
+        what: what it is for: a ``watchdog.Scope`` or a string, turned into words
+            only when the ring is written.
+    """
+    if not _size:
+        return -1
+    try:
+        channel = _channels[id(comm)]
+    except KeyError:
+        channel = _channel(comm)
+    ticket = next(_tickets)
+    entry = _ring[ticket % _size]
+    entry.ticket = ticket
+    entry.channel = channel
+    entry.seq = next(channel.seq)
+    entry.op = op
+    entry.count = count
+    entry.dtype = dtype
+    entry.extra = extra
+    entry.what = what
+    entry.thread = _ident()
+    entry.end = 0.0
+    entry.start = _clock()
+    return ticket
+
+
+def ended(ticket: int) -> None:
+    """Record that the collective of ``ticket`` completed (any thread)."""
+    if ticket >= 0:
+        entry = _ring[ticket % _size]
+        if entry.ticket == ticket:
+            entry.end = _clock()
+
+
+# -- writing it out ----------------------------------------------------------------------
+
+def set_job(job: str, rank: int, size: int) -> None:
+    """Name the job (the same on every rank) and this rank, for ``directory()`` and the files."""
+    global _job, _rank, _world
+    _job, _rank, _world = job, rank, size
+
+
+def scheduler_job() -> str | None:
+    """The batch system's job id, if a launcher set one."""
+    for name in _JOB_VARIABLES:
+        value = settings.text(name)
+        if value:
+            return re.sub(r"[^A-Za-z0-9_.-]", "_", value)
+    return None
+
+
+def directory() -> str:
+    """Where the ranks write their files: ``MPIDP_TRACE_DIR`` or ``./mpidp-trace-<job>``."""
+    given = settings.get("MPIDP_TRACE_DIR")
+    if given:
+        return os.path.abspath(given)
+    return os.path.abspath(f"mpidp-trace-{_job or scheduler_job() or os.getpid()}")
+
+
+def path(suffix: str) -> str:
+    """This rank's file ``rank-NNNNN<suffix>`` in ``directory()`` (made if missing)."""
+    folder = directory()
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"rank-{_rank:05d}{suffix}")
+
+
+def write(name: str, text: str) -> str | None:
+    """Write ``text`` to ``name`` in ``directory()``; returns its path, None if that failed."""
+    try:
+        folder = directory()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, name), "w") as out:
+            out.write(text)
+        return os.path.join(folder, name)
+    except OSError as error:
+        _complain(error)
+        return None
+
+
+def _complain(error: Exception) -> None:
+    os.write(2, f"[mpidp rank {_rank}/{_world}] the flight recorder could not write its "
+                f"file: {type(error).__name__}: {error}\n".encode(errors="replace"))
+
+
+def _text(value) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(value)
+    except Exception as error:  # a Scope whose template fails must not stop the dump
+        return f"<{type(error).__name__}: {error}>"
+
+
+def entries() -> list[dict]:
+    """The ring's entries, oldest first, as plain values (what ``dump`` writes)."""
+    if not _size:
+        return []
+    last = next(_tickets)  # a ticket of its own: entries begun after it are not read
+    found = []
+    for ticket in range(max(0, last - _size), last):
+        entry = _ring[ticket % _size]
+        if entry.ticket != ticket:
+            continue  # not written yet, or reused by a later collective
+        record = entry.channel.record
+        found.append(dict(
+            ticket=ticket, comm=record.key, seq=entry.seq, op=entry.op, count=entry.count,
+            dtype=None if entry.dtype is None else str(entry.dtype).removeprefix("torch."),
+            extra=[_text(v) for v in entry.extra], what=_text(entry.what), thread=entry.thread,
+            start=entry.start, end=entry.end or None))
+    return found
+
+
+def _threads() -> dict:
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    stacks = {}
+    for ident, frame in sys._current_frames().items():
+        stacks[str(ident)] = dict(name=names.get(ident, "?"),
+                                  stack="".join(traceback.format_stack(frame)))
+    return stacks
+
+
+def _communicators() -> dict:
+    with _channels_lock:
+        channels = list(_channels.values())
+    return {c.record.key: dict(owner=c.record.owner, issuer=c.record.issuer, size=c.record.size)
+            for c in channels}
+
+
+def dump(reason: str = "asked by the program", waits=None) -> str | None:
+    """Write this rank's ring, communicators and threads' stacks to ``rank-NNNNN.json``.
+
+    Local (no MPI call); any thread, also while others are inside collectives.
+    Returns the file's path, or None if it could not be written (the error is
+    printed on stderr: a dump must never end the program).
+
+    Args:
+        reason: why, kept in the file.
+        waits: what each thread waits in now (lines), if the caller knows.
+    """
+    with _dump_lock:
+        try:
+            data = dict(format=_FORMAT, rank=_rank, size=_world, host=socket.gethostname(),
+                        pid=os.getpid(), reason=reason, written=time.time(),
+                        anchor=dict(wall=_anchor[0], monotonic=_anchor[1]),
+                        capacity=_size, waits=list(waits or []),
+                        communicators=_communicators(), entries=entries(),
+                        threads=_threads())
+            target = path(".json")
+            partial = target + ".partial"
+            with open(partial, "w") as out:
+                json.dump(data, out, indent=1)
+            os.replace(partial, target)  # a reader never sees half a file
+            return target
+        except Exception as error:  # noqa: BLE001 (a full disk must not end the job)
+            _complain(error)
+            return None
