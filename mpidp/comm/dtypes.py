@@ -1,7 +1,7 @@
 """Torch dtypes as MPI datatypes and buffers, and the MPI ops that reduce them.
 
-Supported dtypes: float16, bfloat16, float32, float64, int32, int64, uint8 and
-bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
+Supported dtypes: float16, bfloat16, float32, float64, int32, int64, int16, int8,
+uint8 and bool. Reduction ops: "sum", "avg", "min", "max", "prod" ("avg" needs a floating
 dtype; on bool, sum/max are logical or and prod/min logical and), and the bitwise
 "band", "bor", "bxor" (integer and bool dtypes; on bool logical and, or, xor). Where the MPI
 library lacks a datatype or an op for a dtype (bfloat16 reductions in most
@@ -35,6 +35,8 @@ _DATATYPES = {
     torch.int64: (("INT64_T",), None),
     torch.uint8: (("UINT8_T",), None),
     torch.bool: (("C_BOOL",), None),
+    torch.int8: (("INT8_T",), None),
+    torch.int16: (("INT16_T",), None),
 }
 
 _DTYPES = tuple(_DATATYPES)  # a dtype's index here names it in messages between ranks

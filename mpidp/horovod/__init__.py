@@ -1,8 +1,9 @@
 """Horovod's PyTorch API over mpidp: ``import mpidp.horovod as hvd`` runs horovod.torch scripts.
 
 One module per concept: ``basics`` (init and the process's facts),
-``process_sets``, ``requests`` (handles, ``poll``/``synchronize`` and the
-negotiation that starts each collective), ``reductions`` (allreduce and reducescatter),
+``process_sets``, ``requests`` (handles, ``poll``/``synchronize``, the
+negotiation that starts each collective and ``HorovodInternalError``),
+``reductions`` (allreduce), ``scatter`` (reducescatter),
 ``collectives`` (allgather, broadcast, alltoall, barrier, objects), ``join``,
 ``compression``, ``optimizer`` (``DistributedOptimizer``), ``functions``
 (broadcasting parameters and optimizer state), ``settings`` (``HOROVOD_*``)
@@ -22,7 +23,7 @@ from .basics import (
 from .collectives import (
     allgather, allgather_async, allgather_object, alltoall, alltoall_async, barrier, broadcast,
     broadcast_, broadcast_async, broadcast_async_, broadcast_object, grouped_allgather,
-    grouped_allgather_async,
+    grouped_allgather_async, sparse_allreduce_async,
 )
 from .compression import Compression, Compressor
 from .functions import broadcast_optimizer_state, broadcast_parameters
@@ -32,9 +33,12 @@ from .process_sets import ProcessSet, add_process_set, global_process_set, remov
 from .reductions import (
     Adasum, Average, Max, Min, Product, Sum, allreduce, allreduce_, allreduce_async,
     allreduce_async_, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-    grouped_allreduce_async_, reducescatter, reducescatter_async,
+    grouped_allreduce_async_,
 )
-from .requests import poll, synchronize
+from .requests import HorovodInternalError, poll, synchronize
+from .scatter import (
+    grouped_reducescatter, grouped_reducescatter_async, reducescatter, reducescatter_async,
+)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -44,12 +48,13 @@ __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "reducescatter", "reducescatter_async", "allgather", "allgather_async", "grouped_allgather",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "barrier", "join", "broadcast_object", "allgather_object",
     "poll", "synchronize", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "Compression", "Compressor", "DistributedOptimizer",
-    "broadcast_parameters", "broadcast_optimizer_state", "SyncBatchNorm",
+    "broadcast_parameters", "broadcast_optimizer_state", "SyncBatchNorm", "HorovodInternalError",
 ]
 
 # Horovod names with no meaning here: each raises an error that says why.
@@ -57,8 +62,6 @@ _REFUSED = {
     "elastic": "elastic training (hvd.elastic): an MPI job keeps its ranks from start to end; "
                "restart it from a checkpoint instead",
     "run": "horovodrun's Python launcher (horovod.run): launch with mpiexec or srun",
-    "sparse_allreduce_async": "sparse allreduce: pass sparse_as_dense=True to "
-                              "DistributedOptimizer, or allgather the indices and values",
 }
 
 

@@ -4,8 +4,10 @@ Each starts through ``requests`` (so joined ranks can serve it, see there)
 on the process set's data communicator, with ``mpidp.comm``'s nonblocking
 collectives: ``iallgatherv`` (first dimensions may differ by rank),
 ``ibroadcast``, ``ialltoall`` with splits. The object collectives are
-``mpidp.objects``'. The out-of-place forms are differentiable, with Horovod's
-gradients.
+``mpidp.objects``'. The out-of-place forms are differentiable, with Horovod
+0.28's gradients (allgather and broadcast average the gradients over the set).
+A ``root_rank`` is a rank of ``hvd.init``'s communicator, in the process set
+given, as in Horovod.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from .. import objects as _objects
 from ..comm.checks import _check_tensor
 from . import process_sets as _sets
 from . import requests as _requests
-from .reductions import Sum, _check_name, allreduce, process_set_of
+from .reductions import Average, Sum, _check_name, allreduce, grouped_allreduce, process_set_of
 
 __all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
            "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
-           "alltoall_async", "barrier", "broadcast_object", "allgather_object"]
+           "alltoall_async", "barrier", "broadcast_object", "allgather_object",
+           "sparse_allreduce_async"]
 
 
 def _check_rows(tensor, name, purpose: str) -> None:
@@ -68,21 +71,43 @@ def allgather_async(tensor, name=None, process_set=_sets.global_process_set) -> 
     return _requests.register(_rows_only(_begin_allgather(tensor, name, process_set)))
 
 
+def _grouped_begin(tensors, name, process_set) -> _requests.Request:
+    """Allgathers of each tensor of a list, as one request; its result: [(rows, sizes), ...]."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError(f"tensors must be a non-empty list of tensors, got {tensors!r}")
+    parts = [_begin_allgather(t, name, process_set) for t in tensors]
+    results = [None] * len(parts)
+    for k, part in enumerate(parts):  # waiting for the group waits for each part, once
+        part.finish = lambda k=k, finish=part.finish: results.__setitem__(k, finish())
+    return _requests.Request(parts, lambda: results, (), _requests.ALLGATHER, name,
+                             process_set_of(process_set), 0)
+
+
 class _Allgather(torch.autograd.Function):
-    """The gradient of a rank's rows: the sum over ranks of the gradient at those rows."""
+    """Horovod 0.28's gradient of a rank's rows: the average over the set of the gradient there.
+
+    One tensor or a group; no tensor is saved, so each output may be backpropagated
+    on its own, as in Horovod.
+    """
 
     @staticmethod
-    def forward(ctx, tensor, process_set, name):
-        output, sizes = _requests.synchronize(_requests.register(
-            _begin_allgather(tensor, name, process_set)))
+    def forward(ctx, process_set, name, *tensors):
+        gathered = _requests.synchronize(_requests.register(
+            _grouped_begin(list(tensors), name, process_set)))
         rank = process_set.data.Get_rank()
-        ctx.rows, ctx.process_set = (sum(sizes[:rank]), sizes[rank]), process_set
-        return output
+        ctx.rows = [(sum(sizes[:rank]), sizes[rank]) for _, sizes in gathered]
+        ctx.process_set = process_set
+        return tuple(output for output, _ in gathered)
 
     @staticmethod
-    def backward(ctx, grad_output):
-        summed = allreduce(grad_output, op=Sum, process_set=ctx.process_set)
-        return summed.narrow(0, *ctx.rows), None, None
+    def backward(ctx, *grads):
+        averaged = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
+        return (None, None) + tuple(g.narrow(0, *rows) for g, rows in zip(averaged, ctx.rows))
+
+
+def _differentiable(tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in tensors)
 
 
 def allgather(tensor, name=None, process_set=_sets.global_process_set) -> torch.Tensor:
@@ -91,28 +116,36 @@ def allgather(tensor, name=None, process_set=_sets.global_process_set) -> torch.
     Returns:
         A new tensor: every rank's rows in rank order.
     """
-    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
-        return _Allgather.apply(tensor, process_set, name)
+    if _differentiable([tensor]):
+        return _Allgather.apply(process_set_of(process_set), name, tensor)[0]
     return _requests.synchronize(allgather_async(tensor, name, process_set))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=_sets.global_process_set) -> int:
     """Start an allgather of each tensor of a list; ``synchronize`` returns the list of results."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ValueError(f"tensors must be a non-empty list of tensors, got {tensors!r}")
-    parts = [_rows_only(_begin_allgather(t, name, process_set)) for t in tensors]
-    results = []
-    for part in parts:
-        finish = part.finish
-        part.finish = lambda finish=finish: results.append(finish())
-    return _requests.register(_requests.Request(parts, lambda: results, (),
-                                                _requests.ALLGATHER, name,
-                                                process_set_of(process_set), 0))
+    request = _grouped_begin(tensors, name, process_set)
+    finish = request.finish
+    request.finish = lambda: [rows for rows, _ in finish()]
+    return _requests.register(request)
 
 
 def grouped_allgather(tensors, name=None, process_set=_sets.global_process_set) -> list:
-    """Allgather each tensor of a list; returns the list of results (no autograd)."""
+    """Allgather each tensor of a list; returns the list of results (differentiable)."""
+    if isinstance(tensors, (list, tuple)) and tensors and _differentiable(tensors):
+        return list(_Allgather.apply(process_set_of(process_set), name, *tensors))
     return _requests.synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def root_in_set(process_set: _sets.ProcessSet, root_rank) -> int:
+    """The rank in ``process_set`` of ``root_rank``, a rank of ``hvd.init``'s communicator."""
+    if process_set is _sets.global_process_set:
+        _args.check_rank("root_rank", root_rank, process_set.data.Get_size())
+        return root_rank
+    if not _args.is_int(root_rank) or root_rank not in process_set.ranks:
+        raise ValueError(f"invalid root_rank {root_rank!r}, root_rank should be one of the ranks "
+                         f"of the process set {process_set.ranks} (ranks of hvd.init's "
+                         f"communicator, as in Horovod)")
+    return process_set.ranks.index(root_rank)
 
 
 def _begin_broadcast(tensor, inplace: bool, root_rank, name, process_set) -> int:
@@ -120,7 +153,7 @@ def _begin_broadcast(tensor, inplace: bool, root_rank, name, process_set) -> int
     with _requests.checking(process_set, _requests.BROADCAST):
         _check_name(name)
         _check_tensor("tensor", _requests.wrap_tensor(tensor), written=inplace)
-        _args.check_rank("root_rank", root_rank, process_set.data.Get_size())
+        root_rank = root_in_set(process_set, root_rank)
     tensor = _requests.wrap_tensor(tensor)
     output = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
 
@@ -138,7 +171,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=_sets.global_proce
 
     Args:
         tensor: the value on ``root_rank``; the same shape and dtype elsewhere.
-        root_rank: the sending rank, within the process set.
+        root_rank: the sending rank (of ``hvd.init``'s communicator; in the process set).
         name: a label for the timeline.
         process_set: the ranks to broadcast to (default: all).
     """
@@ -157,7 +190,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=_sets.global_process_se
 
 
 class _Broadcast(torch.autograd.Function):
-    """Only the root's input reaches the output: it gets the sum of every rank's gradient."""
+    """Only the root's input reaches the output: Horovod 0.28 gives it the average of the gradients."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, process_set, name):
@@ -166,10 +199,10 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        summed = allreduce(grad_output, op=Sum, process_set=ctx.process_set)
-        if ctx.process_set.data.Get_rank() != ctx.root:
-            summed.zero_()
-        return summed, None, None, None
+        averaged = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if ctx.process_set.rank() != root_in_set(ctx.process_set, ctx.root):
+            averaged.zero_()
+        return averaged, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=_sets.global_process_set) -> torch.Tensor:
@@ -272,20 +305,21 @@ def barrier(process_set=_sets.global_process_set) -> None:
 
 
 def object_call(what: str, process_set, call, *, name=None, root=None):
-    """Run ``call(comm)``, a collective of ``mpidp.objects``, as one of the set's collectives.
+    """Run ``call(comm, root)``, a collective of ``mpidp.objects``, as one of the set's collectives.
 
     Args:
-        root: the rank ``call`` sends from, if any, checked here on every rank.
+        root: the rank ``call`` sends from, if any (of ``hvd.init``'s communicator), checked
+            here on every rank; ``call`` gets its rank in the set.
     """
     process_set = process_set_of(process_set)
     with _requests.checking(process_set, _requests.OBJECT):
         _check_name(name)
         if root is not None:
-            _args.check_rank("root_rank", root, process_set.data.Get_size())
+            root = root_in_set(process_set, root)
     result = {}
 
     def launch():
-        result["value"] = call(process_set.data)
+        result["value"] = call(process_set.data, root)
         return []
 
     return _requests.synchronize(_requests.register(_requests.begin(
@@ -293,14 +327,52 @@ def object_call(what: str, process_set, call, *, name=None, root=None):
         root=-1 if root is None else root)))
 
 
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=_sets.global_process_set):
     """Return rank ``root_rank``'s ``obj`` on every rank of the process set (pickled)."""
     return object_call("broadcast_object", process_set,
-                       lambda comm: _objects.broadcast_object(obj, root_rank, comm=comm),
+                       lambda comm, root: _objects.broadcast_object(obj, root, comm=comm),
                        name=name, root=root_rank)
 
 
 def allgather_object(obj, name=None, process_set=_sets.global_process_set) -> list:
     """Return every rank's ``obj``, in rank order, on every rank of the process set."""
     return object_call("allgather_object", process_set,
-                       lambda comm: _objects.allgather_object(obj, comm=comm), name=name)
+                       lambda comm, _: _objects.allgather_object(obj, comm=comm), name=name)
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=_sets.global_process_set):
+    """Start reducing a sparse COO tensor over the process set; returns a function giving the result.
+
+    As in Horovod, the reduction is an allgather of every rank's indices and values
+    (a sum of sparse tensors concatenates their entries), divided by the set's size
+    for ``hvd.Average``.
+
+    Args:
+        tensor: a sparse COO tensor, of the same size on every rank.
+        name: a label (``None`` or a str); the two allgathers take ``name.indices`` and
+            ``name.values``.
+        op: ``hvd.Average`` or ``hvd.Sum``.
+
+    Returns:
+        A function of no arguments that waits and returns the reduced sparse tensor
+        (its entries not coalesced), as Horovod's handle.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"tensor must be a sparse COO tensor, got {tensor!r:.80}")
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum for sparse_allreduce_async, got {op!r}")
+    _check_name(name)
+    label = (lambda part: None) if name is None else (lambda part: f"{name}.{part}")
+    indices = allgather_async(tensor._indices().t().contiguous(), label("indices"), process_set)
+    values = allgather_async(tensor._values().contiguous(), label("values"), process_set)
+    size = process_set_of(process_set).size()
+
+    def result() -> torch.Tensor:
+        gathered = _requests.synchronize(values)
+        at = _requests.synchronize(indices)
+        if op == Average:
+            gathered = gathered / size
+        return torch.sparse_coo_tensor(at.t(), gathered, tensor.size(), check_invariants=False)
+
+    return result

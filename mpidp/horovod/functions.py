@@ -39,7 +39,11 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None,
     """Make every rank's optimizer state and hyperparameters rank ``root_rank``'s.
 
     ``mpidp.broadcast_optimizer_state`` does the work: the root's ``state_dict()``
-    travels and the other ranks load it, empty state or full.
+    travels and the other ranks load it, empty state or full. As in Horovod, where
+    this rank's state is empty, each parameter that requires a gradient and has none
+    gets a zero one first (Horovod then steps the optimizer to create its state; here
+    it is created by the first real step, which keeps the parameters and the step
+    counts as one process has them).
 
     Args:
         optimizer: a torch optimizer or an ``hvd.DistributedOptimizer``.
@@ -50,6 +54,11 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None,
     from .optimizer import _DistributedOptimizer
     if isinstance(optimizer, _DistributedOptimizer):
         optimizer = optimizer._optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     object_call("broadcast_optimizer_state", process_set,
-                lambda comm: _optimizer.broadcast_optimizer_state(optimizer, root_rank, comm=comm),
+                lambda comm, root: _optimizer.broadcast_optimizer_state(optimizer, root, comm=comm),
                 root=root_rank)

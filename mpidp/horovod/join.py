@@ -2,10 +2,12 @@
 
 The joined rank answers each control message of the global process set (see
 ``requests``) with the matching collective: zeros to an allreduce or a
-reducescatter (the identity of min, max or product to those), no rows to an
-allgather, a receive to a broadcast, and the barrier. Its inputs live on the
-CPU, or on ``device`` if given. ``Average`` still divides by the size of the
-set, as Horovod does, so joined ranks count as zeros.
+reducescatter (the identity of min, max or product to those), and the barrier.
+Its inputs live on the CPU, or on ``device`` if given. ``Average`` still
+divides by the size of the set, as Horovod does, so joined ranks count as
+zeros. What Horovod refuses while a rank is joined (allgather, broadcast,
+alltoall, the object collectives), and calls that differ between the active
+ranks, fail on the active ranks only: the joined rank goes on waiting.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from .. import _args
 from .. import comm as _comm
 from . import process_sets as _sets
 from . import requests as _requests
-from .reductions import launch_reducescatter, process_set_of
+from .reductions import process_set_of
+from .scatter import launch_reducescatter
 
 __all__ = ["join"]
 
@@ -38,20 +41,13 @@ def _serve(message: _requests.Descriptor, process_set, device) -> None:
     if kind == _requests.ALLREDUCE:
         _comm.iallreduce(_identity(message.shape, message.dtype, _OPS[message.op], device),
                          _OPS[message.op], comm=comm).wait()
-    elif kind == _requests.ALLGATHER:
-        empty = torch.empty((0, *message.shape), dtype=message.dtype, device=device)
-        _comm.iallgatherv(empty, comm=comm).wait()
     elif kind == _requests.REDUCESCATTER:
         zeros = torch.zeros(message.shape, dtype=message.dtype, device=device)
         for handle in launch_reducescatter(zeros, message.shape[0], process_set)[0]:
             handle.wait()
     elif kind == _requests.BARRIER:
         _comm.ibarrier(comm=comm).wait()
-    elif kind == _requests.BROADCAST and message.root not in message.joined:
-        received = torch.empty(message.shape, dtype=message.dtype, device=device)
-        _comm.ibroadcast(received, message.root, comm=comm).wait()
-    else:  # the active ranks raise the same error (see requests.negotiate)
-        raise _requests.joined_error(kind, message.joined, message.root)
+    # else the active ranks raise (requests.REFUSED_IN_JOIN) and start nothing
 
 
 def join(device: int = -1) -> int:
@@ -63,10 +59,9 @@ def join(device: int = -1) -> int:
     Returns:
         The rank that joined last.
 
-    Raises:
-        ValueError: on every rank, if an active rank calls a collective that joined
-            ranks cannot serve (alltoall, the object collectives, a broadcast from a
-            joined rank).
+    The active ranks' collectives that a joined rank cannot serve (allgather, broadcast,
+    alltoall, the object collectives) raise ``HorovodInternalError`` on the active ranks,
+    as in Horovod; this rank goes on waiting.
     """
     _args.check_int("device", device, minimum=-1)
     process_set = process_set_of(_sets.global_process_set)
@@ -80,6 +75,7 @@ def join(device: int = -1) -> int:
         message = control.wait("join")
         if not message.active:
             return max(message.new)
-        if message.disputed:  # the active ranks' calls differ: raise what they raise
-            raise _requests.dispute(process_set, message.kind, None)
+        if message.disputed:  # the active ranks' calls differ: they raise, this rank waits on
+            _requests.dispute(process_set, message.kind, None)
+            continue
         _serve(message, process_set, where)

@@ -44,6 +44,7 @@ from . import process_sets as _sets
 from . import requests as _requests
 from . import settings as _settings
 from .compression import Compression
+from .collectives import sparse_allreduce_async
 from .reductions import Average, Sum, bucket_allreduce_async_, resolve_op
 
 __all__ = ["DistributedOptimizer"]
@@ -192,6 +193,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._waiting = [len(members) for members in self._buckets]
         self._next = 0
         self._handles: dict[int, tuple] = {}
+        self._sparse: list[tuple] = []  # (parameter, result of sparse_allreduce_async)
+        self._densified: list[torch.Tensor] = []  # sparse gradients reduced as dense
         self._hooked = False  # a hook ran since the last synchronize
 
     def _hook(self, param: torch.Tensor) -> None:
@@ -209,14 +212,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 while self._next < len(self._buckets) and self._waiting[self._next] == 0:
                     self._start(self._next)
 
-    def _gradient(self, param: torch.Tensor) -> torch.Tensor:
+    @property
+    def _parameter_names(self) -> dict:
+        """Each parameter's name (Horovod's attribute): from ``named_parameters`` or generated."""
+        return self._names
+
+    def _gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The dense gradient to reduce; None for a sparse one reduced as sparse (``_start``)."""
         if param.grad is None:  # unused here; another rank may have one
             param.grad = torch.zeros_like(param)
         elif param.grad.is_sparse:
             if not self._sparse_as_dense:
-                raise ValueError(f"the gradient of {self._names[param]} is sparse: pass "
-                                 f"sparse_as_dense=True to DistributedOptimizer (mpidp.horovod "
-                                 f"has no sparse allreduce)")
+                return None
+            self._densified.append(param)  # sparse again once reduced, as in Horovod
             param.grad = param.grad.to_dense()
         return param.grad
 
@@ -226,11 +234,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         members, flat = self._buckets[b], self._flat[b]
         grads = [self._gradient(p) for p in members]
+        for param, grad in zip(members, grads):
+            if grad is None:  # as Horovod: an allgather of its indices and values
+                self._sparse.append((param, sparse_allreduce_async(
+                    param.grad, self._names[param], self._op, self._process_set)))
         if flat is None:
+            if grads[0] is None:
+                return
             tensor = grads[0]
         else:
             for view, grad in zip(flat.views, grads):
-                view.copy_(grad)
+                view.copy_(grad) if grad is not None else view.zero_()
             tensor = flat.buffer
         compressed, context = self._compression.compress(tensor)
         scales = (1 / self._predivide, self._predivide) if self._op == Average else (1.0, 1.0)
@@ -254,8 +268,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     offset = 0
                     for param in members:
                         numel = param.numel()
-                        param.grad.copy_(result[offset:offset + numel].view_as(param.grad))
+                        if not param.grad.is_sparse:
+                            param.grad.copy_(result[offset:offset + numel].view_as(param.grad))
                         offset += numel
+                for param, result in self._sparse:
+                    param.grad = result()
+                for param in self._densified:
+                    param.grad = param.grad.to_sparse()
             finally:
                 self._reset()
             self._synchronized = True
@@ -323,7 +342,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         num_groups: deprecated spelling of ``groups=int``.
         groups: an int (that many equal groups of parameters, each one message) or a list
             of lists of parameters, each reduced as one message.
-        sparse_as_dense: reduce sparse gradients as dense ones.
+        sparse_as_dense: reduce sparse gradients as dense ones (they are sparse again
+            after); otherwise as Horovod does, by ``sparse_allreduce_async``.
         process_set: the ranks to average over (default: all).
 
     Returns:

@@ -1,8 +1,9 @@
-"""Horovod's reductions: ``allreduce`` and ``grouped_allreduce`` in all their forms, ``reducescatter``.
+"""Horovod's allreductions: ``allreduce`` and ``grouped_allreduce`` in all their forms.
 
 Each reduces with MPI's sum, min, max or product through ``mpidp.comm``;
 ``Average`` is the sum times ``postscale_factor / size``, as in Horovod, and
-``prescale_factor`` multiplies each rank's input first. ``_async`` forms return
+``prescale_factor`` multiplies each rank's input first (integer tensors are
+scaled in float64 and rounded toward zero, as in Horovod: ``scale_``). ``_async`` forms return
 a handle for ``synchronize``; a trailing ``_`` writes the result into the
 input. A grouped allreduce packs its tensors into one flat buffer per dtype and
 device, one message each. ``op=hvd.Adasum`` is refused.
@@ -23,7 +24,7 @@ from .compression import Compression
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-           "grouped_allreduce_async_", "reducescatter", "reducescatter_async"]
+           "grouped_allreduce_async_"]
 
 # Horovod's values, so scripts that store or compare them keep working.
 Average, Sum, Adasum, Min, Max, Product = range(6)
@@ -63,14 +64,28 @@ def process_set_of(process_set) -> _sets.ProcessSet:
     return process_set
 
 
-def _check_scales(prescale_factor, postscale_factor, dtype: torch.dtype, op: int) -> None:
+def _check_scales(prescale_factor, postscale_factor) -> None:
     for label, value in (("prescale_factor", prescale_factor), ("postscale_factor", postscale_factor)):
         if isinstance(value, bool) or not isinstance(value, Real):
             raise TypeError(f"{label} must be a real number, got {value!r}")
-    if not dtype.is_floating_point and (op == Average or prescale_factor != 1
-                                        or postscale_factor != 1):
-        raise TypeError(f"op=hvd.Average and scale factors other than 1 need a floating-point "
-                        f"tensor, got {dtype}; use op=hvd.Sum")
+
+
+def scale_(tensor: torch.Tensor, factor, divisor: int = 1) -> torch.Tensor:
+    """Multiply ``tensor`` in place by ``factor / divisor``, as Horovod scales; returns it.
+
+    Floating-point tensors are multiplied in their dtype (float16 on the CPU through
+    float32, by torch); a plain division (``Average`` without a postscale factor) is a
+    division, correctly rounded, as one process computing the mean would round it.
+    Integer tensors are scaled in float64 and rounded toward zero, as Horovod does; a
+    plain division is exact: the quotient rounded toward zero.
+    """
+    if tensor.dtype.is_floating_point:
+        if factor == 1:
+            return tensor.div_(divisor) if divisor != 1 else tensor
+        return tensor.mul_(factor / divisor) if factor != divisor else tensor
+    if factor == 1:
+        return tensor.div_(divisor, rounding_mode="trunc") if divisor != 1 else tensor
+    return tensor.copy_(tensor.double().mul_(factor / divisor))
 
 
 def _check_name(name) -> None:
@@ -94,11 +109,15 @@ def _begin(tensors, inplace: bool, op, average, name, prescale_factor, postscale
             raise ValueError(f"tensors must be a non-empty list of tensors, got {tensors!r}")
         for k, tensor in enumerate(tensors):
             _check_tensor(f"tensors[{k}]", _requests.wrap_tensor(tensor), written=inplace)
-            _check_scales(prescale_factor, postscale_factor, tensor.dtype, op)
+        _check_scales(prescale_factor, postscale_factor)
     groups: dict[tuple, list[int]] = {}
     for k, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(k)
-    scale = postscale_factor / (process_set.data.Get_size() if op == Average else 1)
+    divisor = process_set.data.Get_size() if op == Average else 1
+    # a plain Average divides (Horovod's rounding: it scales in float64); a DistributedOptimizer
+    # bucket (strategy given) is multiplied by 1 / size instead: with each rank's mean's 1 / B
+    # that reproduces one process's mean over n B (docs/horovod.md, "Same result as one process")
+    scale = (postscale_factor / divisor, 1) if strategy is not None else (postscale_factor, divisor)
     detail = _detail(op, prescale_factor, postscale_factor)
     direct = strategy if op in (Average, Sum) else None  # scaled after the sum, as Horovod does
     outputs = [None] * len(tensors)
@@ -127,8 +146,7 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
             memory_format=torch.contiguous_format)
     else:
         flat = torch.cat([t.reshape(-1) for t in tensors])
-    if prescale != 1:
-        flat.mul_(prescale)
+    scale_(flat, prescale)
 
     def launch():
         return [_comm.iallreduce(flat, mpi_op, comm=process_set.data)]
@@ -138,8 +156,7 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
         return []
 
     def finish():
-        if scale != 1:
-            flat.mul_(scale)
+        scale_(flat, *scale)
         offset = 0
         for k, tensor in zip(members, tensors):
             result = flat if len(tensors) == 1 else flat[offset:offset + tensor.numel()]
@@ -267,15 +284,42 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                                      postscale_factor, process_set))
 
 
+class _GroupedAllreduce(torch.autograd.Function):
+    """Each tensor's gradient: the grouped allreduce of the gradients, with the same op and scales.
+
+    No tensor is saved, so each output may be backpropagated on its own, as in Horovod.
+    """
+
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, process_set, name, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(_requests.synchronize(grouped_allreduce_async(
+            list(tensors), None, name, op, prescale, postscale, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, process_set = ctx.args
+        reduced = grouped_allreduce(list(grads), op=op, prescale_factor=prescale,
+                                    postscale_factor=postscale, process_set=process_set)
+        return (None,) * 5 + tuple(reduced)
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=_sets.global_process_set) -> list[torch.Tensor]:
-    """Reduce a list of tensors over the process set; returns new tensors (no autograd)."""
+    """Reduce a list of tensors over the process set; returns new tensors (differentiable)."""
     if not isinstance(tensors, (list, tuple)):
         raise ValueError(f"tensors must be a non-empty list of tensors, got {tensors!r}")
     packed = [compression.compress(t) for t in tensors]
-    reduced = _requests.synchronize(grouped_allreduce_async(
-        [t for t, _ in packed], average, name, op, prescale_factor, postscale_factor, process_set))
+    compressed = [t for t, _ in packed]
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in compressed):
+        op = resolve_op(op, average)
+        reduced = _GroupedAllreduce.apply(op, prescale_factor, postscale_factor, process_set,
+                                          name, *compressed)
+    else:
+        reduced = _requests.synchronize(grouped_allreduce_async(
+            compressed, average, name, op, prescale_factor, postscale_factor, process_set))
     return [compression.decompress(t, context) for t, (_, context) in zip(reduced, packed)]
 
 
@@ -285,71 +329,3 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
     return _requests.synchronize(grouped_allreduce_async_(tensors, average, name, op,
                                                           prescale_factor, postscale_factor,
                                                           process_set))
-
-
-def launch_reducescatter(flat: torch.Tensor, rows: int, process_set) -> tuple:
-    """Start the sum behind a reducescatter of ``flat`` (``rows`` rows); joined ranks call it too.
-
-    Returns:
-        (the started Handles, a function giving this rank's rows of the sum).
-    """
-    size, rank = process_set.data.Get_size(), process_set.data.Get_rank()
-    counts = [rows // size + (r < rows % size) for r in range(size)]
-    if rows % size == 0:
-        output = flat.new_empty((counts[rank], *flat.shape[1:]))
-        handle = _comm.ireduce_scatter(output, flat, "sum", comm=process_set.data)
-        return [handle], lambda: output
-    handle = _comm.iallreduce(flat, "sum", comm=process_set.data)
-    offset = sum(counts[:rank])
-    return [handle], lambda: flat.narrow(0, offset, counts[rank]).clone()
-
-
-def reducescatter_async(tensor, name=None, op=Average, process_set=_sets.global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0) -> int:
-    """Start a reduction of ``tensor`` whose rows are then split over the ranks; returns a handle.
-
-    Rank ``r`` gets rows ``r * n // size ...`` of the sum: ``tensor.shape[0] // size`` rows,
-    one more on the first ``tensor.shape[0] % size`` ranks, as in Horovod.
-
-    Args:
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
-        (the others as ``allreduce_async``)
-    """
-    process_set = process_set_of(process_set)
-    with _requests.checking(process_set, _requests.REDUCESCATTER):
-        op = resolve_op(op, None)
-        if op not in (Average, Sum):
-            raise ValueError(f"op must be hvd.Average or hvd.Sum for reducescatter, got {op!r}")
-        _check_name(name)
-        _check_tensor("tensor", _requests.wrap_tensor(tensor))
-        _check_scales(prescale_factor, postscale_factor, tensor.dtype, op)
-        if tensor.dim() == 0:
-            raise ValueError("tensor must have at least one dimension to split its rows, got 0-d")
-    flat = _requests.wrap_tensor(tensor).clone(memory_format=torch.contiguous_format)
-    if prescale_factor != 1:
-        flat.mul_(prescale_factor)
-    scale = postscale_factor / (process_set.data.Get_size() if op == Average else 1)
-    started = {}
-
-    def launch():
-        handles, started["result"] = launch_reducescatter(flat, flat.shape[0], process_set)
-        return handles
-
-    def finish():
-        output = started["result"]()
-        return output.mul_(scale) if scale != 1 else output
-
-    return _requests.register(_requests.begin(
-        process_set, _requests.REDUCESCATTER, launch, finish, keep=(tensor, flat), name=name,
-        nbytes=flat.nbytes, dtype=flat.dtype, op="sum", shape=tuple(flat.shape),
-        detail=_detail(op, prescale_factor, postscale_factor)))
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=_sets.global_process_set, prescale_factor=1.0,
-                  postscale_factor=1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over the process set and return this rank's rows of the result."""
-    compressed, context = compression.compress(tensor)
-    handle = reducescatter_async(compressed, name, op, process_set, prescale_factor,
-                                 postscale_factor)
-    return compression.decompress(_requests.synchronize(handle), context)

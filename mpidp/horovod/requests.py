@@ -17,19 +17,22 @@ description, the description's complement (the or of the complements is the
 complement of the and, so the ranks agree exactly when the or and the and are
 equal), a flag for a rank whose arguments failed, and two masks of ranks for
 ``join``. On a disagreement every rank of the set exchanges what it called and
-raises the same ``ValueError``. A collective's start therefore waits for every
-rank of its set to start it (as a blocking MPI call would); its data then run
-nonblocking.
+raises the same error: Horovod's ``HorovodInternalError`` (a ``RuntimeError``), or on a
+rank whose own arguments failed, that error's type. A collective's start therefore
+waits for every rank of its set to start it (as a blocking MPI call would); its data
+then run nonblocking. As in Horovod, a name given to a collective while an earlier
+one of this rank with that name is still pending on the set is refused on this rank
+alone, before anything is sent (``ValueError``).
 
 **join.** ``hvd.join()`` lets a rank that ran out of data keep serving the
 other ranks' collectives of the global set, with zeros: a joined rank adds
 only its masks to each control message (its description and complement stay
 0, so it takes no part in the agreement), reads the description and starts
 the matching collective. Both sides start the same calls in the same order on
-each communicator, so MPI matches them. The collectives a joined rank cannot
-take part in (alltoall, the object collectives; a broadcast from a joined
-root) raise the same error on every rank. Other process sets take no part in
-``join``.
+each communicator, so MPI matches them. The collectives Horovod refuses while a
+rank is joined (allgather, broadcast, alltoall, and so the object collectives)
+raise ``HorovodInternalError`` on every active rank, and the joined ranks go on
+waiting. Other process sets take no part in ``join``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from ..comm.dtypes import _DTYPES
 from . import state as _state
 from . import process_sets as _sets
 
-__all__ = ["poll", "synchronize"]
+__all__ = ["HorovodInternalError", "poll", "synchronize"]
 
 # kinds of collective, as the control message names them (0: only joined ranks called)
 JOIN, ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, BARRIER, ALLTOALL, OBJECT = range(8)
@@ -61,6 +64,24 @@ _MAX_DIMS = 8
 # kind, dtype + 1, op, root + 1, ndim + 1, name's hash, detail's hash, problem, shape
 _HEAD = 8 + _MAX_DIMS
 _BITS = 62  # ranks per int64 word of a mask
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed on every rank of its set: the ranks' calls differ, or one refused.
+
+    Horovod's name and base class (``horovod.common.exceptions``), so that
+    ``except RuntimeError`` and ``except hvd.HorovodInternalError`` catch it as there.
+    """
+
+
+def _error_like(problem: BaseException | None, message: str) -> BaseException:
+    """The error a rank raises for a failed negotiation: its own argument error's type, or Horovod's."""
+    if problem is not None:
+        try:
+            return type(problem)(message)
+        except Exception:  # an error type whose constructor takes other arguments
+            pass
+    return HorovodInternalError(message)
 
 
 class Descriptor:
@@ -171,10 +192,10 @@ def dispute(process_set: _sets.ProcessSet, kind: int, mine: str | None,
     if problem is not None and len(problems) == len(entries) and len(set(problems)) == 1:
         return problem
     what = [f"error: {p}" if p is not None else m for p, m in entries]
-    return ValueError(f"hvd.{KIND_NAMES[kind]}: every rank of the process set must make the "
-                      f"same call (dtype, shape, op, root_rank, name) with valid arguments, in "
-                      f"the same order (from one thread, or threads taking turns in a fixed "
-                      f"order), got {_agreement.by_rank(what)}")
+    return _error_like(problem, (
+        f"hvd.{KIND_NAMES[kind]}: every rank of the process set must make the same call "
+        f"(dtype, shape, op, root_rank, name) with valid arguments, in the same order (from "
+        f"one thread, or threads taking turns in a fixed order), got {_agreement.by_rank(what)}"))
 
 
 def negotiate(process_set: _sets.ProcessSet, kind: int, problem: BaseException | None = None,
@@ -198,9 +219,8 @@ def negotiate(process_set: _sets.ProcessSet, kind: int, problem: BaseException |
         if error is problem:
             raise error
         raise error from problem
-    if message.joined and process_set is _sets.global_process_set and (
-            kind in (ALLTOALL, OBJECT) or (kind == BROADCAST and message.root in message.joined)):
-        raise joined_error(kind, message.joined, message.root)
+    if message.joined and process_set is _sets.global_process_set and kind in REFUSED_IN_JOIN:
+        raise joined_error(kind, message.joined)
     return message
 
 
@@ -257,14 +277,15 @@ _numbers = itertools.count(1)
 _table_lock = threading.Lock()
 
 
-def joined_error(kind: int, joined: list[int], root: int = -1) -> ValueError:
-    """The error every rank raises for a collective that joined ranks cannot serve."""
-    if kind == BROADCAST:
-        return ValueError(f"hvd.broadcast from root_rank {root}, which has called hvd.join(): a "
-                          f"joined rank has no tensor to send (joined ranks: {joined})")
-    return ValueError(f"hvd.{KIND_NAMES[kind]} while rank(s) {joined} have called hvd.join(): "
-                      f"joined ranks serve only allreduce, grouped_allreduce, allgather, "
-                      f"broadcast, reducescatter and barrier")
+# what Horovod refuses while a rank is joined (its controller's "not supported with Join")
+REFUSED_IN_JOIN = (ALLGATHER, BROADCAST, ALLTOALL, OBJECT)
+
+
+def joined_error(kind: int, joined: list[int]) -> HorovodInternalError:
+    """The error every active rank raises for a collective that joined ranks cannot serve."""
+    return HorovodInternalError(
+        f"hvd.{KIND_NAMES[kind]} while rank(s) {joined} have called hvd.join(): as in Horovod, "
+        f"joined ranks serve only allreduce, grouped_allreduce, reducescatter and barrier")
 
 
 def begin(process_set: _sets.ProcessSet, kind: int, launch, finish, keep=(), *, name=None,
@@ -280,10 +301,19 @@ def begin(process_set: _sets.ProcessSet, kind: int, launch, finish, keep=(), *, 
             negotiation alike; joined ranks serve only what ``launch`` starts.
         fields: the call, which every rank must make alike (dtype, op, root, shape, detail).
     """
+    if name is not None and _pending_named(process_set, name):
+        raise ValueError(f"hvd.{KIND_NAMES[kind]}: name {name!r} is the name of an operation of "
+                         f"this rank still pending on {process_set} (not synchronized yet); as "
+                         f"in Horovod, each pending operation needs its own name")
     with process_set.lock:
         message = negotiate(process_set, kind, name=name, **fields)
         handles = direct() if direct is not None and not message.joined else launch()
     return Request(handles, finish, keep, kind, name, process_set, nbytes)
+
+
+def _pending_named(process_set: _sets.ProcessSet, name) -> bool:
+    with _table_lock:
+        return any(r.name == name and r.process_set is process_set for r in _table.values())
 
 
 def register(request: Request) -> int:

@@ -304,7 +304,7 @@ def test_broadcast_from_every_root():
 
 
 def test_broadcast_of_a_non_contiguous_tensor_of_a_dtype_mpidp_carries_as_bytes():
-    base = payload(RANK, (4, 3), torch.int16)
+    base = payload(RANK, (4, 3), torch.uint16)  # no MPI datatype in mpidp.comm: moved as bytes
     raises_everywhere(TypeError, lambda: dist.broadcast(base.t(), src=0))
     still_in_step()
 

@@ -12,7 +12,7 @@ from mpidp import comm
 
 RANK, SIZE = mpidp.rank(), mpidp.size()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
-          torch.int32, torch.int64, torch.uint8, torch.bool]
+          torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool]
 COUNTS = [1, 7, 1000, 1 << 17]
 NP_COMBINE = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum,
               "prod": np.multiply, "band": np.bitwise_and, "bor": np.bitwise_or,

@@ -1,0 +1,1 @@
+"""Test-only stand-in for the ``horovod`` package: ``horovod.torch`` is ``mpidp.horovod``."""

@@ -1,0 +1,94 @@
+"""Horovod 0.28.1's own PyTorch test suite, unchanged, on mpidp.horovod under a real mpiexec.
+
+The suite (``TorchTests`` in ``test/parallel/test_torch.py``, with its utilities in
+``test/utils``) lives outside the project, verbatim, in ``../shared/horovod-0.28.1``
+(``HOROVOD_SUITE`` names another copy). It imports ``horovod.torch``, which the
+test-only package ``tests/horovod_shim/horovod`` makes ``mpidp.horovod`` itself. Every
+rank runs pytest over the whole class in one job; ``tests/horovod_shim/suite_plugin.py``
+records each rank's outcomes and aborts the job at the first failure on any rank, so a
+failure ends the launch at once instead of leaving the other ranks waiting.
+
+Expected: every test real Horovod passes on CPU passes on every rank; the tests that
+need a GPU or Horovod's gloo controller skip (they are the suite's own skips); the
+three that fail on real Horovod too (torch 2.13's Muon) are deselected; the four
+duplicate-name tests fail (KNOWN_FAILING: they need Horovod's matching by name).
+docs/horovod.md lists them with their reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import launch
+
+SUITE = Path(os.environ.get("HOROVOD_SUITE", launch.ROOT.parent / "shared" / "horovod-0.28.1"))
+SHIM = launch.ROOT / "tests" / "horovod_shim"
+SUITE_FILE = SUITE / "test" / "parallel" / "test_torch.py"
+TESTS = 115  # TorchTests' tests in Horovod 0.28.1
+
+# Iterating over every torch optimizer, they reach torch 2.13's Muon, which rejects the
+# models' 1-D parameters (biases) when constructed: they fail on real Horovod too.
+MUON = ["test_broadcast_state", "test_broadcast_state_options", "test_force_allreduce"]
+# Each starts a named async collective on rank 0 alone and then calls hvd.barrier() while
+# rank 1 does the reverse: Horovod matches collectives by name in its background thread,
+# mpidp.horovod by position on the calling thread, so the barrier meets the other rank's
+# collective and both raise HorovodInternalError (no hang). docs/horovod.md says more.
+KNOWN_FAILING = ["test_horovod_allreduce_duplicate_name_error",
+                 "test_horovod_allgather_duplicate_name_error",
+                 "test_horovod_broadcast_duplicate_name_error",
+                 "test_horovod_reducescatter_duplicate_name_error"]
+# Skipped by the suite itself: without a GPU (HOROVOD_TEST_GPU=1 fails the first instead) ...
+NEED_GPU = ["test_gpu_required", "test_horovod_allreduce_multi_gpu",
+            "test_horovod_allreduce_cpu_gpu_error", "test_horovod_grouped_allreduce_cpu_gpu_error",
+            "test_horovod_alltoall_splits_on_gpu", "test_model_parallelism",
+            "test_delta_optimizer", "test_horovod_sync_batch_norm"]
+# ... without Horovod's gloo controller (HOROVOD_RANK set by horovodrun --gloo) ...
+NEED_GLOO = ["test_horovod_reinit", "test_horovod_is_initialized"]
+# ... and always, upstream (unittest.skip / pytest.mark.skip with Horovod's reasons).
+SKIPPED_UPSTREAM = ["test_broadcast_state_gpu", "test_timeline_api"]
+
+
+def expected_outcome(name: str) -> str:
+    if name in KNOWN_FAILING:
+        return "failed"
+    if name in NEED_GLOO or name in SKIPPED_UPSTREAM:
+        return "skipped"
+    if name in NEED_GPU and not torch.cuda.is_available():
+        return "skipped"
+    return "passed"
+
+
+def run_suite(nprocs: int, out: Path, *, timeout: float) -> dict[str, list[str]]:
+    """Run the suite on ``nprocs`` ranks; return each test's outcomes, one per rank."""
+    if not SUITE_FILE.exists():
+        pytest.skip(f"Horovod's test suite is not at {SUITE} (set HOROVOD_SUITE)")
+    env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONDONTWRITEBYTECODE": "1",  # nothing written beside the suite
+           "HVD_SUITE_OUT": str(out), "HVD_SUITE_ABORT": "1",
+           "HVD_SUITE_DESELECT": ",".join(MUON), "HVD_SUITE_KNOWN_FAILING": ",".join(KNOWN_FAILING)}
+    # pytest exits with 1 for the known failures: the outcomes below are what is checked
+    result = launch.run(nprocs, ["-m", "pytest", "-c", str(SHIM / "pytest.ini"), "--rootdir",
+                                 str(SUITE), str(SUITE_FILE)], timeout=timeout, env=env,
+                        check=False)
+    if result.returncode not in (0, 1) or "Abort" in result.stderr:
+        raise AssertionError(f"Horovod's suite at {nprocs} ranks exited with "
+                             f"{result.returncode}\n{result.stdout[-12000:]}\n"
+                             f"{result.stderr[-8000:]}")
+    outcomes: dict[str, list[str]] = {}
+    for rank in range(nprocs):
+        for name, outcome in json.loads((out / f"rank{rank}.json").read_text()).items():
+            outcomes.setdefault(name, []).append(outcome)
+    return outcomes
+
+
+def test_horovods_own_torch_suite_passes_at_2_ranks(tmp_path):
+    outcomes = run_suite(2, tmp_path, timeout=600)
+    assert len(outcomes) == TESTS - len(MUON), sorted(outcomes)
+    wrong = {name: got for name, got in outcomes.items()
+             if got != [expected_outcome(name)] * 2}
+    assert not wrong, wrong
