@@ -80,7 +80,7 @@ def label_text(label) -> str:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # mpidp/, not watchdog/
     for name in ("mpidp.kernels", "torch"):
         module = sys.modules.get(name)
         if getattr(module, "__file__", None):
