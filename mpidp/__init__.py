@@ -20,8 +20,9 @@ raises ``RuntimeError``.
 from . import runtime  # isort: skip
 from . import comm, cuda, errors, hooks, kernels, objects, optimizer, process_group, topology, watchdog, zero
 from . import rendezvous, store
-from . import checkpoint, generators, preemption
+from . import checkpoint, generators, healing, preemption
 from .checkpoint import Checkpointer
+from .healing import Healer
 from .ddp import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
@@ -40,11 +41,11 @@ process_group.register()  # torch.distributed backend "mpidp" and mpidp:// (no M
 
 __all__ = [
     "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm", "Checkpointer",
-    "ZeroRedundancyOptimizer",
+    "Healer", "ZeroRedundancyOptimizer",
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
-    "checkpoint", "generators", "preemption",
+    "checkpoint", "generators", "healing", "preemption",
     "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "store", "topology",
     "watchdog", "zero",
     "rank_topology",

@@ -59,7 +59,8 @@ import mpi4py
 from . import communicators, errors, settings
 
 __all__ = ["rank", "size", "local_rank", "local_size", "abort_on_exception",
-           "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child"]
+           "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child",
+           "world", "healed"]
 
 
 def _started_by_multiprocessing() -> bool:
@@ -153,24 +154,50 @@ def thread_level() -> int:
     return MPI.Query_thread()
 
 
-def rank() -> int:
-    """Return this process's rank in ``MPI.COMM_WORLD``."""
+# The world mpidp trains over: MPI.COMM_WORLD, until mpidp.healing replaces it with the
+# survivors of a lost rank (ULFM's shrink). Written only there, by the program's thread,
+# at a moment collective over the survivors.
+_world: list = []
+
+
+def world() -> MPI.Intracomm:
+    """The ranks mpidp works over: ``MPI.COMM_WORLD``, or its survivors after a heal."""
     require_mpi()
-    return MPI.COMM_WORLD.Get_rank()
+    return _world[0] if _world else MPI.COMM_WORLD
+
+
+def healed() -> bool:
+    """Whether a lost rank was healed in this process (``world()`` is the survivors)."""
+    return bool(_world)
+
+
+def set_world(comm: MPI.Intracomm) -> None:
+    """Make ``comm`` (the survivors, collectively shrunk) the world (``mpidp.healing`` only)."""
+    _world[:] = [comm]
+
+
+def rank() -> int:
+    """Return this process's rank in the world (``MPI.COMM_WORLD``, or its survivors after a heal)."""
+    return world().Get_rank()
 
 
 def size() -> int:
-    """Return the number of processes in ``MPI.COMM_WORLD``."""
-    require_mpi()
-    return MPI.COMM_WORLD.Get_size()
+    """Return the number of processes in the world (``MPI.COMM_WORLD``, or its survivors)."""
+    return world().Get_size()
 
 
 @functools.cache
 def _node_comm() -> MPI.Intracomm:
-    # Collective over COMM_WORLD; cached so every rank calls it exactly once.
-    require_mpi()
-    return communicators.made(MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED),
-                              "mpidp.runtime: this node's ranks")
+    # Collective over the world; cached so every rank calls it exactly once.
+    comm = world().Split_type(MPI.COMM_TYPE_SHARED)
+    return communicators.made(comm, "mpidp.runtime: this node's ranks", rebuild=_rebuild_node)
+
+
+def _rebuild_node(_world) -> None:
+    """Over the survivors (``set_world`` first; collective, from ``communicators.rebuild_all``)."""
+    communicators.release(_node_comm())
+    _node_comm.cache_clear()
+    _node_comm()
 
 
 def local_rank() -> int:
@@ -296,6 +323,12 @@ def _remember(exc: SystemExit) -> None:
     global _exit_request
     if _main_frame is not None:
         _exit_request = (exc.code, _main_frame.f_lasti)
+
+
+def remember_exit(code) -> None:
+    """Record ``SystemExit(code)`` about to be raised outside ``sys.exit`` (``exit_for_requeue``)."""
+    global _exit_request
+    _exit_request = (code, _main_frame.f_lasti if _main_frame is not None else -1)
 
 
 def _exit(status=None, /):

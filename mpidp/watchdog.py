@@ -72,6 +72,7 @@ import weakref
 
 from mpi4py import MPI
 
+from . import errors as _errors
 from . import settings
 from . import runtime
 from . import communicators as _communicators
@@ -283,9 +284,9 @@ runtime.set_call_describer(describe_calls)
 
 
 def barrier() -> None:
-    """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier`` (watched)."""
+    """Block until every rank of the world (``mpidp.runtime.world()``) has called ``barrier`` (watched)."""
     runtime.require_mpi()
-    watched("mpidp.barrier()", MPI.COMM_WORLD.Barrier)
+    watched("mpidp.barrier()", runtime.world().Barrier)
 
 
 def _state(now: float) -> dict:
@@ -309,6 +310,8 @@ _thread: threading.Thread | None = None
 _channel: stall_report.Channel | None = None
 _multiple = False
 _started = False  # start() ran (the communicator exists on every rank)
+_comm: MPI.Intracomm | None = None  # the channel's communicator, kept for a heal to release
+_channel_lock = threading.Lock()  # the channel, between the watchdog thread and a heal
 _stopping = threading.Event()
 _wake = threading.Event()
 _deadline: float | None = None  # when this rank aborts by itself
@@ -332,11 +335,37 @@ def start() -> None:
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return
-    comm = _communicators.made(world.Dup(), "the stall watchdog", "the watchdog's thread")
+    _channel = _open_channel(world)
+    _ensure_thread()
+
+
+def _open_channel(world: MPI.Intracomm) -> "stall_report.Channel | None":
+    global _comm
+    comm = _comm = _communicators.made(world.Dup(), "the stall watchdog",
+                                       "the watchdog's thread", rebuild=_rebuild)
     comm.Set_name("mpidp watchdog")
     if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
-        _channel = stall_report.Channel(comm, _state)
-    _ensure_thread()
+        return stall_report.Channel(comm, _state)
+    return None
+
+
+def _rebuild(world: MPI.Intracomm) -> None:
+    """After a heal (``mpidp.healing``): the channel over the survivors (collective over ``world``).
+
+    The old channel's requests died with its revoked communicator; the watchdog
+    thread, which may have stopped on them, starts again.
+    """
+    global _channel, _thread
+    with _channel_lock:
+        _channel = None
+    _communicators.release(_comm)
+    channel = _open_channel(world) if world.Get_size() > 1 else None
+    stall_report.set_rank(world.Get_rank(), world.Get_size())
+    with _channel_lock:
+        _channel = channel
+    if _thread is not None and not _thread.is_alive():
+        _thread = None
+        _ensure_thread()
 
 
 def _ensure_thread() -> None:
@@ -349,7 +378,7 @@ def _ensure_thread() -> None:
         if _thread is not None:
             return
         # read here, on a thread that may call MPI, for the watchdog thread's lines
-        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        rank, size = runtime.world().Get_rank(), runtime.world().Get_size()
         if size == 1:
             return  # nothing to wait for: a lone rank's collectives complete locally
         stall_report.set_rank(rank, size)
@@ -383,7 +412,12 @@ def _run() -> None:
 
 
 def _tick(now: float) -> None:
-    global _deadline
+    with _channel_lock:  # a heal replaces the channel (_rebuild)
+        _tick_locked(now)
+
+
+def _tick_locked(now: float) -> None:
+    global _deadline, _channel
     # This rank's own stall first: rank 0 may otherwise hear every other rank's
     # report in this poll and print the summary (and abort) before its own line.
     stalled = [(s, r) for s, r in _in_progress()
@@ -392,7 +426,12 @@ def _tick(now: float) -> None:
         for s, record in stalled:
             s.reported = record[1]  # one line per rank and call
         _report_stall(*stalled[0], now)
-    summary = _channel.poll(now) if _channel is not None else None
+    try:
+        summary = _channel.poll(now) if _channel is not None else None
+    except Exception as error:
+        if not _errors.lost_rank(error):
+            raise
+        _channel, summary = None, None  # a peer is gone: no summary until a heal's new channel
     if summary is not None:
         _conclude(summary)
     if _deadline is not None and now >= _deadline:

@@ -25,7 +25,7 @@ LAYERS = [
     ("ddp", ["overlap", "launcher", "hook_basics", "hooks", "powersgd", "comm_hook", "reducer",
              "sharded", "ddp_options", "join", "syncbn", "ddp"]),
     ("backend", ["chunks", "progress", "work", "operations", "process_group"]),
-    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint"]),
+    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "healing"]),
     ("package", ["", "__main__"]),
 ]
 MOST_LINES = 500
