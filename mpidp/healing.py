@@ -110,6 +110,14 @@ def _leave_without_finalize() -> None:
     os._exit(status)
 
 
+def _lost_ranks(old: MPI.Intracomm, world: MPI.Intracomm) -> list[int]:
+    """The ranks of ``old`` missing from ``world``, named as ``MPI.COMM_WORLD`` (the launcher) does."""
+    kept = set(MPI.Group.Translate_ranks(world.Get_group(), list(range(world.Get_size())),
+                                         old.Get_group()))
+    gone = [rank for rank in range(old.Get_size()) if rank not in kept]
+    return sorted(MPI.Group.Translate_ranks(old.Get_group(), gone, MPI.COMM_WORLD.Get_group()))
+
+
 def _clone(state):
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
 
@@ -127,7 +135,7 @@ class Healer:
 
     Attributes:
         active: whether this job can heal (``ulfm()`` and more than one rank).
-        heals: one dict per heal: ``step``, ``lost`` (their ranks before it),
+        heals: one dict per heal: ``step``, ``lost`` (their ranks in ``MPI.COMM_WORLD``),
             ``world`` (the ranks after), ``seconds`` (from this rank's detection
             to the end of the heal), ``root`` (whose state was taken).
 
@@ -303,8 +311,7 @@ class Healer:
         stuck = _communicators.unrebuildable()
         whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
         world = old.Shrink()
-        lost = sorted(set(range(old.Get_size())) - set(MPI.Group.Translate_ranks(
-            world.Get_group(), list(range(world.Get_size())), old.Get_group())))
+        lost = _lost_ranks(old, world)
         global_batch = c.batch_size * c.world
         why = None
         if not whole:
@@ -313,7 +320,7 @@ class Healer:
             why = (f"the global batch of {global_batch} samples does not divide among "
                    f"{world.Get_size()} ranks")
         if why is not None:  # the same on every survivor: all raise it, the job ends
-            raise RuntimeError(f"mpidp.Healer: rank(s) {lost} of {old.Get_size()} were lost at "
+            raise RuntimeError(f"mpidp.Healer: rank(s) {lost} of MPI_COMM_WORLD were lost at "
                                f"step {c.steps} and the run cannot go on at "
                                f"{world.Get_size()} ranks: {why}. Resume from the last "
                                f"checkpoint in {c.directory} at a size that fits")
@@ -330,7 +337,7 @@ class Healer:
         self.heals.append(dict(step=c.steps, lost=lost, world=world.Get_size(),
                                seconds=seconds, root=root))
         if world.Get_rank() == 0:
-            print(f"mpidp: rank(s) {lost} of {old.Get_size()} lost; healed in {seconds:.2f} s, "
+            print(f"mpidp: rank(s) {lost} of MPI_COMM_WORLD lost; healed in {seconds:.2f} s, "
                   f"going on at {world.Get_size()} ranks from step {c.steps} (the state of "
                   f"rank {root})", flush=True)
 
