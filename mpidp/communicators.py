@@ -30,7 +30,7 @@ import threading
 import weakref
 
 __all__ = ["Record", "made", "free", "forget", "release", "listing", "revoke_all", "set_rebuild",
-           "unrebuildable", "rebuild_all"]
+           "rebuilders", "unrebuildable", "rebuild_all"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,14 @@ def revoke_all() -> int:
                 f"survives a lost rank needs one with ULFM (Open MPI 5: mpirun --with-ft ulfm)"
             ) from error
     return len(comms)
+
+
+def rebuilders() -> list:
+    """The live objects whose bound methods rebuild registered communicators (local)."""
+    with _lock:
+        methods = [weak() for _, _, weak in _table.values() if weak is not None]
+    owners = {id(m.__self__): m.__self__ for m in methods if m is not None and hasattr(m, "__self__")}
+    return list(owners.values())
 
 
 def unrebuildable() -> list[str]:

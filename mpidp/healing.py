@@ -118,6 +118,14 @@ def _lost_ranks(old: MPI.Intracomm, world: MPI.Intracomm) -> list[int]:
     return sorted(MPI.Group.Translate_ranks(old.Get_group(), gone, MPI.COMM_WORLD.Get_group()))
 
 
+def _unhealable(model) -> list[str]:
+    """What a heal cannot carry on with: communicators no owner rebuilds, and DDPs other than
+    ``model``, whose survivors' states may differ by a step and would not be made alike."""
+    others = [f"DistributedDataParallel {id(o):#x}" for o in _communicators.rebuilders()
+              if isinstance(o, DistributedDataParallel) and o is not model]
+    return _communicators.unrebuildable() + others
+
+
 def _clone(state):
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
 
@@ -181,10 +189,9 @@ class Healer:
         if checkpointer.sampler is None:
             raise ValueError("Healer needs the Checkpointer's sampler and batch_size, to "
                              "re-split the data over the survivors")
-        stuck = _communicators.unrebuildable()
+        stuck = _unhealable(model)
         if stuck:
-            raise ValueError(f"Healer: these communicators cannot be rebuilt after a lost "
-                             f"rank: {stuck}")
+            raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck}")
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -308,7 +315,7 @@ class Healer:
         detected, self._lost = self._lost, None
         c = self.checkpointer
         old = runtime.world()
-        stuck = _communicators.unrebuildable()
+        stuck = _unhealable(c.model)
         whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
         world = old.Shrink()
         lost = _lost_ranks(old, world)

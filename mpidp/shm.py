@@ -36,6 +36,7 @@ import torch
 from mpi4py import MPI
 
 from . import communicators as _communicators
+from . import errors as _errors
 from . import settings
 from . import watchdog as _watchdog
 
@@ -248,6 +249,8 @@ class Window:
         slot = _watchdog.begin(label)
         try:
             self.node.node.Barrier()
+        except MPI.Exception as error:  # a lost rank (ULFM) among them, named
+            raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
         finally:
             slot.current = None
 

@@ -87,14 +87,14 @@ def _openmpi_python() -> Path:
     return python
 
 
-def _ulfm(nprocs: int, directory: Path, *kills: str, timeout: float = 240):
+def _ulfm(nprocs: int, directory: Path, *kills: str, extra=(), timeout: float = 240):
     python = _openmpi_python()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--mca", "pml", "ob1",
                "--mca", "btl", "tcp,self", "--oversubscribe", "--bind-to", "none",
                "-n", str(nprocs), str(python), SCRIPT, "--checkpoint-dir", str(directory),
-               *(arg for kill in kills for arg in ("--kill", kill))]
+               *extra, *(arg for kill in kills for arg in ("--kill", kill))]
     try:
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                               errors="replace", timeout=timeout, start_new_session=True)
@@ -102,14 +102,14 @@ def _ulfm(nprocs: int, directory: Path, *kills: str, timeout: float = 240):
         raise AssertionError(f"{' '.join(command)} hung\n{err.stdout}\n{err.stderr}") from None
 
 
-@pytest.mark.parametrize("nprocs, kills, heals", [
+@pytest.mark.parametrize("nprocs, kills, extra, heals", [
     # launch rank:step:where -> (rank lost, going on at, from step): the last step all finished
-    (4, ["3:5:forward", "2:11:allreduce"], [(3, 3, 4), (2, 2, 10)]),
-    (3, ["0:4:backward", "2:9:between"], [(0, 2, 3), (2, 1, 9)]),
-], ids=["forward-then-allreduce-4-ranks", "backward-of-rank-0-then-between-steps-3-ranks"])
+    (4, ["3:5:forward", "2:11:allreduce"], [], [(3, 3, 4), (2, 2, 10)]),
+    (3, ["0:4:backward", "2:9:between"], ["--shared-memory"], [(0, 2, 3), (2, 1, 9)]),
+], ids=["forward-then-allreduce-4-ranks", "backward-of-rank-0-then-between-steps-3-ranks-shm"])
 def test_killed_ranks_heal_and_the_run_follows_the_reference(tmp_path, reference, nprocs, kills,
-                                                             heals):
-    result = _ulfm(nprocs, tmp_path / "ckpt", *kills)
+                                                             extra, heals):
+    result = _ulfm(nprocs, tmp_path / "ckpt", *kills, extra=extra)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(result.stdout)]

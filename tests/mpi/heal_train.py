@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--kill", action="append", default=[], help="RANK:STEP:WHERE")
     parser.add_argument("--pace", type=float, default=0.0)
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="reduce in shared memory (else MPI allreduces, killable in one)")
     args = parser.parse_args()
     kills = {}
     for kill in args.kill:
@@ -97,7 +99,7 @@ def main() -> None:
                           nn.Linear(32, 1)).double()
     # small buckets: several allreduces per step, so a kill can fall between two of them
     ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
-                                        shared_memory=False)
+                                        shared_memory=args.shared_memory)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     checkpointer = mpidp.Checkpointer(args.checkpoint_dir, model=ddp, optimizer=optimizer,
