@@ -61,7 +61,7 @@ import time
 
 import torch
 from mpi4py import MPI
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import BatchSampler, DataLoader
 
 from . import agreement, generators, runtime
@@ -126,8 +126,20 @@ def _unhealable(model) -> list[str]:
     return _communicators.unrebuildable() + others
 
 
-def _clone(state):
-    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+def _copy(state, into=None):
+    """``state`` with every tensor copied: into ``into``'s tensors where it has the same shape
+    (no allocation: a step's copy reuses the last one's memory), else into new ones."""
+    leaves, spec = tree_flatten(state)
+    if into is not None:
+        old, old_spec = tree_flatten(into)
+        if old_spec == spec and all(
+                not isinstance(t, torch.Tensor) or (isinstance(b, torch.Tensor) and b.shape == t.shape
+                                                    and b.dtype == t.dtype and b.device == t.device)
+                for t, b in zip(leaves, old)):
+            return tree_unflatten([b.copy_(t) if isinstance(t, torch.Tensor) else t
+                                   for t, b in zip(leaves, old)], spec)
+    return tree_unflatten([t.detach().clone() if isinstance(t, torch.Tensor) else t
+                           for t in leaves], spec)
 
 
 class Healer:
@@ -168,6 +180,7 @@ class Healer:
         self.heals: list[dict] = []
         self._lost: float | None = None  # when this rank met the lost rank, until the heal
         self._snapshot: dict | None = None  # the state at the start of the step in guard()
+        self._spare: dict | None = None  # the last copy, whose memory the next one reuses
 
     @staticmethod
     def _check(checkpointer) -> None:
@@ -293,13 +306,18 @@ class Healer:
         return c.steps, c._epoch, c._base, c._batches, c.sampler.epoch, c.sampler.start
 
     def _capture(self) -> dict:
-        """This rank's state at the start of a step (copied: the step changes it in place)."""
+        """This rank's state at the start of a step, copied (the step changes it in place)
+        into the memory of the last step's copy."""
+        last = self._spare or {}
         module = self.checkpointer.model.module
-        return {"model": _clone(module.state_dict()), "rng": generators.states(),
-                "position": self._position(),
-                **{name: _clone(obj.state_dict()) for name, obj in self._parts().items()}}
+        self._spare = {"model": _copy(module.state_dict(), last.get("model")),
+                       "rng": generators.states(), "position": self._position(),
+                       **{name: _copy(obj.state_dict(), last.get(name))
+                          for name, obj in self._parts().items()}}
+        return self._spare
 
     def _restore(self, snapshot: dict) -> None:
+        self._spare = None  # the optimizer may now hold these very tensors: copy afresh
         c = self.checkpointer
         c.model.module.load_state_dict(snapshot["model"])
         for name, obj in self._parts().items():

@@ -26,42 +26,15 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
+from heal_model import STEPS, reference as _reference, worst_difference
 from launch import ROOT, mpiexec
 
 SCRIPT = "tests/mpi/heal_train.py"
-STEPS, GLOBAL_BATCH, SAMPLES = 24, 12, 96
 RELATIVE = 1e-12
 LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
 HEALED = re.compile(r"^mpidp: rank\(s\) \[(\d+)\] of MPI_COMM_WORLD lost; healed in (\S+) s, "
                     r"going on at (\d+) ranks from step (\d+)", re.M)
-
-
-def _reference() -> list[float]:
-    """heal_train.py's losses, trained here on each whole global batch (one process)."""
-    data = torch.Generator().manual_seed(1234)
-    inputs = torch.randn(SAMPLES, 16, generator=data, dtype=torch.float64)
-    targets = (inputs @ torch.randn(16, 1, generator=data, dtype=torch.float64)).tanh()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 1)).double()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
-    losses, epoch = [], 0
-    while len(losses) < STEPS:
-        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(7 + epoch))
-        for start in range(0, SAMPLES, GLOBAL_BATCH):
-            batch = order[start:start + GLOBAL_BATCH]
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs[batch]), targets[batch])
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss.item())
-        epoch += 1
-    return losses[:STEPS]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +46,7 @@ def _check_losses(output: str, reference: list[float]) -> None:
     """The last loss printed for every step follows the reference (a re-run step prints again)."""
     losses = {int(step): float(loss) for step, loss in LINE.findall(output)}
     assert sorted(losses) == list(range(1, STEPS + 1)), output[-3000:]
-    worst = max(abs(losses[s] - reference[s - 1]) / abs(reference[s - 1]) for s in losses)
+    worst = worst_difference(losses, reference)
     assert worst < RELATIVE, f"a loss differs from the reference by {worst:.3g} (relative)"
 
 
@@ -138,5 +111,5 @@ def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_pa
     assert again.returncode == 0, again.stderr[-4000:]
     losses = {int(s): float(v) for s, v in LINE.findall(again.stdout)}
     assert sorted(losses) == list(range(9, STEPS + 1)), again.stdout[-3000:]
-    worst = max(abs(losses[s] - reference[s - 1]) / abs(reference[s - 1]) for s in losses)
+    worst = worst_difference(losses, reference)
     assert worst < RELATIVE, f"a resumed loss differs from the reference by {worst:.3g}"

@@ -10,7 +10,8 @@ gradients), ``allreduce`` (with its first bucket's allreduce started), or
 ``between`` (after the step, before the next). Rank 0 of the world of the
 moment prints ``step S loss L`` (L in repr, float64, the whole global
 batch's loss) for every step, and the Healer its ``healed`` lines. Without
-``--kill`` it is the uninterrupted reference.
+``--kill`` it is an uninterrupted run; its model, data and in-process
+reference are tests/heal_model.py's.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import mpidp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import heal_model  # noqa: E402 (tests/, beside this folder)
 
 LAUNCH_RANK = mpidp.rank()
 
@@ -71,12 +76,13 @@ def _arm(kills: dict, checkpointer, ddp) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--global-batch", type=int, default=12)
-    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=heal_model.STEPS)
+    parser.add_argument("--global-batch", type=int, default=heal_model.GLOBAL_BATCH)
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--kill", action="append", default=[], help="RANK:STEP:WHERE")
     parser.add_argument("--pace", type=float, default=0.0)
+    parser.add_argument("--save-at-end", action="store_true",
+                        help="save a checkpoint of the last step (a reference's first half)")
     parser.add_argument("--shared-memory", action="store_true",
                         help="reduce in shared memory (else MPI allreduces, killable in one)")
     args = parser.parse_args()
@@ -86,22 +92,16 @@ def main() -> None:
         if int(rank) == LAUNCH_RANK:
             kills[int(step)] = where
 
-    data = torch.Generator().manual_seed(1234)
-    inputs = torch.randn(args.samples, 16, generator=data, dtype=torch.float64)
-    targets = (inputs @ torch.randn(16, 1, generator=data, dtype=torch.float64)).tanh()
-    dataset = TensorDataset(inputs, targets)
-    sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=7, drop_last=True)
+    dataset = heal_model.dataset()
+    sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=heal_model.SEED, drop_last=True)
     batch_size = args.global_batch // mpidp.size()
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 1)).double()
+    model = heal_model.model()
     # small buckets: several allreduces per step, so a kill can fall between two of them
     ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                         shared_memory=args.shared_memory)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    optimizer, scheduler = heal_model.optimizers(ddp.parameters())
     checkpointer = mpidp.Checkpointer(args.checkpoint_dir, model=ddp, optimizer=optimizer,
                                       scheduler=scheduler, sampler=sampler,
                                       batch_size=batch_size, every=8, signals=())
@@ -121,6 +121,8 @@ def main() -> None:
             if mpidp.rank() == 0:
                 print(f"step {checkpointer.steps + 1} loss {global_loss!r}", flush=True)
             checkpointer.step()
+    if args.save_at_end:
+        checkpointer.save()
     if mpidp.rank() == 0:
         print(f"done at {mpidp.size()} ranks; heals {healer.heals}", flush=True)
     checkpointer.close()
