@@ -160,33 +160,40 @@ class Healer:
             to the end of the heal), ``root`` (whose state was taken).
 
     Raises:
-        TypeError, ValueError: on every rank, for what cannot heal: torch's DDP
+        TypeError, ValueError: on every rank: not a Checkpointer, or one without
+            a sampler; and, where this job can heal, what cannot: torch's DDP
             or FSDP, a ``ZeroRedundancyOptimizer`` (its shards have no replica),
-            no sampler, a DDP over a communicator other than the world, or
+            a DDP over a communicator other than the world, a second DDP, or
             communicators that no owner can rebuild (``SyncBatchNorm``,
-            ``mpidp.horovod``, torch.distributed groups over ``"mpidp"``).
+            ``mpidp.horovod``, torch.distributed groups over ``"mpidp"``). Where
+            it cannot heal, the loop is the plain one whatever trains in it.
     """
 
     def __init__(self, checkpointer: Checkpointer):
+        self.active = ulfm() and runtime.size() > 1
         error = None
         try:
-            self._check(checkpointer)
+            self._check(checkpointer, self.active)
         except (TypeError, ValueError) as caught:
             error = caught
         comm = checkpointer._comm if isinstance(checkpointer, Checkpointer) else runtime.world()
         agreement.agree(comm, error, "Healer(): can every rank heal?")
         self.checkpointer = checkpointer
-        self.active = ulfm() and runtime.size() > 1
         self.heals: list[dict] = []
         self._lost: float | None = None  # when this rank met the lost rank, until the heal
         self._snapshot: dict | None = None  # the state at the start of the step in guard()
         self._spare: dict | None = None  # the last copy, whose memory the next one reuses
 
     @staticmethod
-    def _check(checkpointer) -> None:
+    def _check(checkpointer, active: bool) -> None:
         if not isinstance(checkpointer, Checkpointer):
             raise TypeError(f"checkpointer must be an mpidp.Checkpointer, got "
                             f"{type(checkpointer).__name__}")
+        if checkpointer.sampler is None:
+            raise ValueError("Healer needs the Checkpointer's sampler and batch_size, to "
+                             "deal the batches (and re-split them after a lost rank)")
+        if not active:
+            return
         model = checkpointer.model
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"Healer heals mpidp.DistributedDataParallel only, got "
@@ -199,9 +206,6 @@ class Healer:
             raise TypeError("Healer: a ZeroRedundancyOptimizer's shards have no replica on "
                             "another rank, so a lost rank's shard cannot be recovered; use a "
                             "plain torch optimizer")
-        if checkpointer.sampler is None:
-            raise ValueError("Healer needs the Checkpointer's sampler and batch_size, to "
-                             "re-split the data over the survivors")
         stuck = _unhealable(model)
         if stuck:
             raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck}")
