@@ -208,7 +208,8 @@ class Healer:
                             "plain torch optimizer")
         stuck = _unhealable(model)
         if stuck:
-            raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck}")
+            raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck} "
+                             f"(what a heal rebuilds: docs/checkpoint.md#lost-ranks)")
 
     # -- the loop ------------------------------------------------------------------------
 

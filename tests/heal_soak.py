@@ -116,14 +116,15 @@ def _losses(lines) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for _, text in lines if (m := LINE.match(text))}
 
 
-def _strict(nprocs: int, step: int, cache: dict) -> dict[int, float]:
+def _strict(nprocs: int, step: int, cache: dict) -> list[float]:
     """Losses of N ranks to ``step`` (saved), then N-1 resumed from it: the changed-size run."""
     if step not in cache:
         with tempfile.TemporaryDirectory() as directory:
             first = _launch(_command(nprocs, directory, "--steps", str(step), "--save-at-end"), None)
             second = _launch(_command(nprocs - 1, directory), None)
             assert first["status"] == 0 and second["status"] == 0, (first, second)
-            cache[step] = {**_losses(first["lines"]), **_losses(second["lines"])}
+            losses = {**_losses(first["lines"]), **_losses(second["lines"])}
+            cache[step] = [losses[s] for s in range(1, STEPS + 1)]
     return cache[step]
 
 
