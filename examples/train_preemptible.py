@@ -1,5 +1,8 @@
 """A training run that survives preemption: stop on a signal, requeue, resume at any size.
 
+Under Open MPI's ULFM (``mpirun --with-ft ulfm``) it also survives a lost rank: the others
+heal and go on at one rank fewer (docs/checkpoint.md#lost-ranks).
+
     mpiexec -n 2 python examples/train_preemptible.py --checkpoint-dir ckpt --steps 60
     # kill -USR1 <any rank's pid>: every rank stops at the same step, saves, exits 75
     mpiexec -n 3 python examples/train_preemptible.py --checkpoint-dir ckpt --steps 60 \\
@@ -71,10 +74,11 @@ def main() -> None:
     if mpidp.rank() == 0 and start:
         print(f"resumed at step {start} on {world} ranks", flush=True)
 
-    epoch = sampler.epoch
-    while checkpointer.steps < args.steps:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
+    # mpidp: a lost rank (only where MPI has ULFM: mpirun --with-ft ulfm) is healed and the
+    # run goes on without it; elsewhere this is the plain loop over epochs
+    healer = mpidp.Healer(checkpointer)
+    for x, y in healer.batches(loader, steps=args.steps):  # mpidp: re-split after a lost rank
+        with healer.guard():  # mpidp: a rank lost in this step: heal, then run it again
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
@@ -87,9 +91,6 @@ def main() -> None:
             if mpidp.rank() == 0:
                 print(f"step {checkpointer.steps + 1} loss {global_loss!r}", flush=True)
             checkpointer.step()  # mpidp: stops here, on every rank, if a signal came
-            if checkpointer.steps == args.steps:
-                break
-        epoch += 1
 
     if args.out and mpidp.rank() == 0:
         torch.save(model.state_dict(), args.out)

@@ -23,8 +23,9 @@ from . import (
     zero,
 )
 from . import rendezvous, store
-from . import checkpoint, generators, preemption, recorder
+from . import checkpoint, generators, healing, preemption, recorder
 from .checkpoint import Checkpointer
+from .healing import Healer
 from .ddp.data_parallel import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
@@ -43,11 +44,11 @@ process_group.register()  # torch.distributed backend "mpidp" and mpidp:// (no M
 
 __all__ = [
     "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm", "Checkpointer",
-    "ZeroRedundancyOptimizer",
+    "Healer", "ZeroRedundancyOptimizer",
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
-    "checkpoint", "generators", "preemption", "recorder",
+    "checkpoint", "generators", "healing", "preemption", "recorder",
     "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "store", "topology",
     "watchdog", "zero",
     "rank_topology",

@@ -25,9 +25,9 @@ takes rank ``r``'s generators if the saving run had one, else generators
 seeded from ``mpidp.generators.derived_seed(step, r)``.
 
 Every method that talks to the other ranks says so. Rule: they all issue on
-one duplicate of ``MPI.COMM_WORLD``, made by the constructor (registered in
-``mpidp.communicators``) and freed by ``close()``, from the one thread that
-calls them; nothing else issues on it.
+one duplicate of the world (``MPI.COMM_WORLD``, or its survivors after a heal),
+made by the constructor (registered in ``mpidp.communicators``) and freed by
+``close()``, from the one thread that calls them; nothing else issues on it.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ class Checkpointer:
                  batch_size: int | None = None, extra: Mapping | None = None,
                  signals=preemption.DEFAULT_SIGNALS, deadline: float = _DEADLINE, keep: int = 2,
                  every: int | None = None, exit_on_stop: bool = True):
-        runtime.require_mpi()
-        self._comm = _communicators.made(MPI.COMM_WORLD.Dup(), f"Checkpointer {id(self):#x}")
+        self._comm = _communicators.made(runtime.world().Dup(), f"Checkpointer {id(self):#x}",
+                                         rebuild=self._rebuild)
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         error = None
         try:
@@ -229,6 +229,14 @@ class Checkpointer:
         agreement.raise_together(self._comm, problem, OSError, "Checkpointer: the directory:")
         if self.rank == 0:
             os.remove(probe)
+
+    def _rebuild(self, world: MPI.Intracomm) -> None:
+        """Over ``world``, the survivors of a lost rank (collective; ``mpidp.healing``)."""
+        _communicators.release(self._comm)
+        self._comm = _communicators.made(world.Dup(), f"Checkpointer {id(self):#x}",
+                                         rebuild=self._rebuild)
+        self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
+        self._token = None
 
     def close(self) -> None:
         """Give the signals their handlers back and free the communicator (collective)."""

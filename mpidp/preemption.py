@@ -146,10 +146,9 @@ def agree_stop(comm: MPI.Intracomm | None = None) -> bool:
     Call it once per step, at the same point on every rank.
 
     Args:
-        comm: the ranks that stop together (default: ``MPI.COMM_WORLD``).
+        comm: the ranks that stop together (default: the world, ``mpidp.runtime.world()``).
     """
-    runtime.require_mpi()
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = runtime.world() if comm is None else comm
     return agreement.any_failed(comm, requested(), "preemption: do all ranks stop here?")
 
 
@@ -173,9 +172,9 @@ def exit_for_requeue(status: int = EXIT_STATUS) -> None:
     status, so nobody is left waiting), waits for the other ranks, then raises
     ``SystemExit(status)``; MPI is finalised at exit as usual.
     """
-    runtime.require_mpi()
-    agreement.any_failed(MPI.COMM_WORLD, False, "preemption: every rank leaves together")
+    agreement.any_failed(runtime.world(), False, "preemption: every rank leaves together")
     runtime.abort_on_exception(False)
+    runtime.remember_exit(status)  # for the exit of a healed process (runtime.set_world)
     sys.stdout.flush()
     sys.stderr.flush()
     raise SystemExit(status)

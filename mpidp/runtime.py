@@ -16,10 +16,8 @@ calls it. If MPI is not initialised yet in the launched process (the user set
 ``mpi4py.rc.initialize = False`` before importing mpidp), ``require_mpi()``
 initialises it, the only place mpidp does, and finalises it at exit.
 
-Initialising at import in the launched process, rather than lazily on first
-use, is deliberate: import already needs MPI there (threads per rank, the CUDA
-decision, and the abort hooks ask the other ranks), and mpi4py users expect an
-initialised MPI once it is imported.
+MPI starts at import, not lazily: import already talks to the other ranks
+(threads, the CUDA decision, the abort hooks), and mpi4py users expect it.
 
 **Thread level.** mpidp asks for ``MPI_THREAD_MULTIPLE`` (mpi4py's default
 ``rc.thread_level``), which its communication thread needs. A lower
@@ -58,8 +56,8 @@ import mpi4py
 
 from . import communicators, errors, settings
 
-__all__ = ["rank", "size", "local_rank", "local_size", "abort_on_exception",
-           "require_mpi", "thread_level", "thread_level_name", "in_multiprocessing_child"]
+__all__ = ["rank", "size", "local_rank", "local_size", "abort_on_exception", "require_mpi",
+           "thread_level", "thread_level_name", "in_multiprocessing_child", "world", "healed"]
 
 
 def _started_by_multiprocessing() -> bool:
@@ -153,24 +151,50 @@ def thread_level() -> int:
     return MPI.Query_thread()
 
 
-def rank() -> int:
-    """Return this process's rank in ``MPI.COMM_WORLD``."""
+# The world mpidp trains over: MPI.COMM_WORLD, until mpidp.healing replaces it with the
+# survivors of a lost rank (ULFM's shrink). Written only there, by the program's thread,
+# at a moment collective over the survivors.
+_world: list = []
+
+
+def world() -> MPI.Intracomm:
+    """The ranks mpidp works over: ``MPI.COMM_WORLD``, or its survivors after a heal."""
     require_mpi()
-    return MPI.COMM_WORLD.Get_rank()
+    return _world[0] if _world else MPI.COMM_WORLD
+
+
+def healed() -> bool:
+    """Whether a lost rank was healed here (``world()`` is the survivors)."""
+    return bool(_world)
+
+
+def set_world(comm: MPI.Intracomm) -> None:
+    """Make ``comm`` (the survivors, collectively shrunk) the world (``mpidp.healing`` only)."""
+    _world[:] = [comm]
+
+
+def rank() -> int:
+    """Return this process's rank in the world (``MPI.COMM_WORLD``, or its survivors after a heal)."""
+    return world().Get_rank()
 
 
 def size() -> int:
-    """Return the number of processes in ``MPI.COMM_WORLD``."""
-    require_mpi()
-    return MPI.COMM_WORLD.Get_size()
+    """Return the number of processes in the world (``MPI.COMM_WORLD``, or its survivors)."""
+    return world().Get_size()
 
 
 @functools.cache
 def _node_comm() -> MPI.Intracomm:
-    # Collective over COMM_WORLD; cached so every rank calls it exactly once.
-    require_mpi()
-    return communicators.made(MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED),
-                              "mpidp.runtime: this node's ranks")
+    # Collective over the world; cached so every rank calls it exactly once.
+    comm = world().Split_type(MPI.COMM_TYPE_SHARED)
+    return communicators.made(comm, "mpidp.runtime: this node's ranks", rebuild=_rebuild_node)
+
+
+def _rebuild_node(_world) -> None:
+    """Over the survivors (``set_world`` first; collective, from ``communicators.rebuild_all``)."""
+    communicators.release(_node_comm())
+    _node_comm.cache_clear()
+    _node_comm()
 
 
 def local_rank() -> int:
@@ -272,13 +296,10 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
             "".join(traceback.format_exception(exc_type, exc, tb))], 1)
 
 
-# sys.exit() raises SystemExit, which never reaches sys.excepthook: the rank
-# would call MPI_Finalize and wait there for ranks that wait for it. Python
-# hands the exit status to no hook, so mpidp remembers the status of each
-# sys.exit/exit/quit call together with where __main__'s module code stood, and
-# at exit aborts if __main__ ended right there (its code did not move on, as it
-# would after catching the SystemExit). A bare `raise SystemExit(3)` calls
-# nothing mpidp can wrap.
+# sys.exit() raises SystemExit, which never reaches sys.excepthook (the rank would wait
+# in MPI_Finalize). mpidp remembers each sys.exit/exit/quit status with where __main__'s
+# code stood, and at exit aborts if __main__ ended right there (it did not catch the
+# SystemExit and move on). A bare `raise SystemExit(3)` calls nothing mpidp can wrap.
 _main_frame = None  # the frame running __main__'s module code
 _exit_request = None  # (SystemExit.code, _main_frame.f_lasti) of the latest call
 
@@ -294,9 +315,14 @@ def _find_main_frame():
 
 
 def _remember(exc: SystemExit) -> None:
-    global _exit_request
     if _main_frame is not None:
-        _exit_request = (exc.code, _main_frame.f_lasti)
+        remember_exit(exc.code)
+
+
+def remember_exit(code) -> None:
+    """Record ``SystemExit(code)`` about to be raised outside ``sys.exit`` (``exit_for_requeue``)."""
+    global _exit_request
+    _exit_request = (code, _main_frame.f_lasti if _main_frame is not None else -1)
 
 
 def _exit(status=None, /):

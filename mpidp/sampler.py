@@ -78,6 +78,18 @@ class DistributedSampler(_TorchDistributedSampler):
                              f"and >= 0, got {start!r}")
         self.epoch, self.start, self._start_epoch = epoch, start, epoch
 
+    def resize(self, num_replicas: int, rank: int) -> None:
+        """Deal the epochs to ``num_replicas`` ranks from now on, this one ``rank`` (local).
+
+        The data, seed, shuffle, padding and epoch stay; the position goes back
+        to the epoch's start, for ``resume_from`` to set (``mpidp.healing`` does
+        both after a lost rank).
+        """
+        epoch = self.epoch
+        self.__init__(self.dataset, num_replicas, rank, shuffle=self.shuffle, seed=self.seed,
+                      drop_last=self.drop_last, pad=self.pad)
+        self.epoch = epoch
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, which seeds the shuffle (as torch's); another epoch begins at 0."""
         if epoch != self._start_epoch:

@@ -23,7 +23,7 @@ LAYERS = [
                        "preemption"]),
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),
     ("backend", ["process_group", "process_group.*"]),
-    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint"]),
+    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "healing"]),
     ("package", ["", "__main__"]),
 ]
 MOST_LINES = 500

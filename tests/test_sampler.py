@@ -88,3 +88,22 @@ def test_another_epoch_starts_from_its_beginning_and_a_bad_start_is_refused():
         sampler.resume_from(0, 3)
     with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
         sampler.resume_from(-1, 0)
+
+
+@pytest.mark.parametrize("before, after", [(4, 3), (3, 2), (2, 1)])
+def test_resize_then_resume_deals_the_rest_of_the_epoch_to_fewer_ranks(before, after):
+    """What mpidp.Healer does after a lost rank: same epoch, same global order, new split."""
+    dataset = TensorDataset(torch.arange(96))
+    samplers = [mpidp.DistributedSampler(dataset, num_replicas=before, rank=r, seed=7)
+                for r in range(before)]
+    for sampler in samplers:
+        sampler.set_epoch(2)
+    order = samplers[0].global_order()
+    samplers = samplers[:after]
+    for rank, sampler in enumerate(samplers):
+        sampler.resize(after, rank)
+        sampler.resume_from(2, 36)
+        assert sampler.epoch == 2 and sampler.num_replicas == after and len(sampler) == 60 // after
+    dealt = [list(s) for s in samplers]
+    assert sorted(sum(dealt, [])) == sorted(order[36:])
+    assert [dealt[i % after][i // after] for i in range(60)] == order[36:]

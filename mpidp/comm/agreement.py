@@ -23,7 +23,7 @@ from .handle import collective
 from .pool import _collective_comm
 
 __all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_together",
-           "watched_allgather"]
+           "survivors_agree", "watched_allgather"]
 
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
@@ -52,6 +52,17 @@ def any_failed(comm: MPI.Intracomm, failed: bool, label: str) -> bool:
     flag = array.array("i", [bool(failed)])
     collective(comm, "Allreduce", (MPI.IN_PLACE, [flag, MPI.INT], MPI.MAX), label)
     return bool(flag[0])
+
+
+def survivors_agree(comm: MPI.Intracomm, ok: bool, label: str) -> bool:
+    """True on every surviving rank if ``ok`` is true on all of them (ULFM's ``MPI_Comm_agree``).
+
+    The one agreement that works on a communicator with a lost rank, revoked or not:
+    the failures this rank knows of are acknowledged first, so that only a new one
+    during the call raises. Needs an MPI library with ULFM (``mpidp.healing``).
+    """
+    comm.Ack_failed()
+    return bool(_watchdog.watched(label, comm.Agree, int(bool(ok))))
 
 
 def by_rank(entries: list) -> str:

@@ -25,14 +25,14 @@ class Pool:
     """Duplicates of one communicator, handed out round-robin.
 
     Args:
-        comm: the communicator to duplicate (default ``MPI.COMM_WORLD``).
+        comm: the communicator to duplicate (default: the world, ``mpidp.runtime.world()``).
         size: how many duplicates (>= 1). Creating a pool is collective over ``comm``.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, size: int = 2):
         _runtime.require_mpi()
         _args.check_int("pool size", size, minimum=1)
-        base = MPI.COMM_WORLD if comm is None else comm
+        base = _runtime.world() if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
         slot = _watchdog.begin("MPI_Comm_dup for a Pool (collective)")
@@ -76,7 +76,8 @@ _default_lock = threading.Lock()
 
 
 def default_pool() -> Pool:
-    """Return the pool over ``MPI.COMM_WORLD`` used when ``comm`` is None.
+    """Return the pool over the world (``MPI.COMM_WORLD``, or its survivors after a heal)
+    used when ``comm`` is None.
 
     Its size comes from ``MPIDP_POOL_SIZE`` (default 2). Created on first use,
     which is collective; two threads that use it first at once make it once
@@ -86,11 +87,20 @@ def default_pool() -> Pool:
         return _default[0]
     with _default_lock:
         if not _default:
-            _runtime.require_mpi()
-            pool = Pool(MPI.COMM_WORLD, env_size())
+            pool = Pool(_runtime.world(), env_size())
             _watchdog.start()  # collective over COMM_WORLD, as the pool's creation
+            for comm in pool.comms:
+                _communicators.set_rebuild(comm, _forget_default)
             _default.append(pool)
     return _default[0]
+
+
+def _forget_default(_world) -> None:
+    """After a heal (``mpidp.healing``): the next use makes the pool over the survivors."""
+    with _default_lock:
+        for comm in _default[0].comms if _default else []:
+            _communicators.release(comm)
+        _default.clear()
 
 
 # A forked child must not reuse the parent's cached pool: forgetting it makes
@@ -106,7 +116,7 @@ def _base(comm) -> MPI.Intracomm:
     """
     _runtime.require_mpi()  # one flag; a clear error in a multiprocessing child
     if comm is None:
-        return MPI.COMM_WORLD
+        return _runtime.world()
     if isinstance(comm, Pool):
         if not comm.comms:
             raise ValueError("comm is a Pool that has been freed")

@@ -66,8 +66,18 @@ def node_of(comm: MPI.Intracomm) -> "Node":
         return Node(comm)
     forced = _forced_node_size()
     if forced not in _WORLD_NODES:
-        _WORLD_NODES[forced] = Node(comm)
+        kept = _WORLD_NODES[forced] = Node(comm)
+        for member in (kept.node, kept.cross):
+            _communicators.set_rebuild(member, _forget_world_nodes)
     return _WORLD_NODES[forced].duplicate()
+
+
+def _forget_world_nodes(_world) -> None:
+    """After a heal (``mpidp.healing``): COMM_WORLD's grouping is of no use to the survivors."""
+    for kept in _WORLD_NODES.values():
+        _communicators.release(kept.node)
+        _communicators.release(kept.cross)
+    _WORLD_NODES.clear()
 
 
 def _forced_node_size() -> int:

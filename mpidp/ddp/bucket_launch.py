@@ -24,6 +24,7 @@ import traceback
 
 import torch
 
+from .. import errors as _errors
 from .. import runtime
 from .. import watchdog as _watchdog
 from .buckets import Bucket
@@ -116,11 +117,14 @@ class BucketLauncher:
         the other ranks hung under every strategy, or (under "thread", when
         they went on too) one step's buckets met the next step's and the
         models silently diverged (tests/mpi/reduction_fails_on_one_rank.py).
+
+        A lost rank (``mpidp.errors.lost_rank``, ULFM only) is raised instead: every
+        survivor's collectives with it fail too, and ``mpidp.Healer`` revokes them all.
         """
         try:
             yield
         except Exception as error:
-            if self.world == 1:
+            if self.world == 1 or _errors.lost_rank(error):
                 raise
             why = (f"DistributedDataParallel: the gradient reduction of step {self._steps} "
                    f"failed on this rank while the other ranks wait in its collectives; "

@@ -252,6 +252,30 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         self.reducer = self._make_reducer(settings["overlap"])
         for _, param in self._named_params(self.module):
             _OWNERS[param] = weakref.ref(self)
+        if self._over_world:  # a healed world has the survivors: this DDP can follow it
+            for comm in self._communicators():
+                _communicators.set_rebuild(comm, self._rebuild)
+
+    def _communicators(self) -> list[MPI.Intracomm]:
+        node = getattr(self, "_node", None)
+        return [*self.pool.comms, self.control, *((node.node, node.cross) if node else ())]
+
+    def _rebuild(self, world: MPI.Intracomm) -> None:
+        """The same DDP over ``world``, the survivors of a lost rank (collective; ``mpidp.healing``).
+
+        Its revoked communicators are released and the reducer dropped without
+        settling (its collectives cannot finish); the model check, the pool, the
+        control communicator, the shared-memory node and a new reducer are made
+        over ``world``. The parameters are left as they are: the healing
+        broadcasts the state afterwards.
+        """
+        reducer, self.reducer = self.reducer, None
+        if reducer is not None:
+            reducer.close()
+        for comm in self._communicators():
+            _communicators.release(comm)
+        self.pool = self.control = self._node = None
+        self._connect(world, next(self.module.parameters()).device)
 
     def _make_reducer(self, overlap: str, sink=None) -> Reducer:
         named = self._named_params(self.module)
@@ -338,7 +362,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             # Only a forward that may be followed by a synced backward runs on
             # every rank; evaluation under no_grad may run on one rank alone.
             if self.reducer is None:
-                self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
+                self._connect(runtime.world(), next(self.module.parameters()).device)
             self.reducer.settle()
             self.reducer.raise_pending_error()
             self.reducer.check_parameters()

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from .. import _args, settings
+from .. import _args, runtime, settings
 from . import overlap as _overlap
 from ..comm import shm as _shm
 from ..comm import chunking as _chunking
@@ -74,12 +74,13 @@ def check_module(module: nn.Module) -> None:
 
 
 def base_comm(comm, process_group) -> MPI.Intracomm:
-    """The communicator to train over, given as ``comm`` or ``process_group`` (default COMM_WORLD)."""
+    """The communicator to train over, given as ``comm`` or ``process_group`` (default: the
+    world, ``MPI.COMM_WORLD`` or its survivors after a heal)."""
     if comm is not None and process_group is not None:
         raise ValueError("pass the communicator as comm or as process_group, not both")
     base = comm if comm is not None else process_group
     if base is None:
-        return MPI.COMM_WORLD
+        return runtime.world()
     name = "comm" if comm is not None else "process_group"
     if not isinstance(base, MPI.Intracomm):
         raise TypeError(f"{name} must be None or an mpi4py Intracomm, got {type(base).__name__}; "

@@ -172,9 +172,20 @@ def start(world: MPI.Intracomm) -> None:
     if _shared.comm is not None or world.Get_size() == 1:
         return
     comm = _communicators.made(world.Dup(), "the rendezvous store",
-                               "any thread (point-to-point, slots of their own)")
+                               "any thread (point-to-point, slots of their own)", rebuild=_rebuild)
     comm.Set_name("mpidp store")
     _shared.comm = comm
+
+
+def _rebuild(world: MPI.Intracomm) -> None:
+    """After a heal (``mpidp.healing``), while no store was used: the same over the survivors.
+
+    A store in use (torch.distributed's rendezvous) drops ``rebuild`` at its first
+    use (``_backend``), so the healing refuses instead.
+    """
+    _communicators.release(_shared.comm)
+    _shared.comm = None
+    start(world)
 
 
 def started() -> bool:
@@ -190,6 +201,8 @@ def _backend():
         if comm is None and MPI.COMM_WORLD.Get_size() > 1:
             raise RuntimeError("mpidp store: its communicator is made at import mpidp "
                                "(mpidp.store.start); it was not")
+        if comm is not None:  # rank 0's thread and peers' slots cannot follow a heal
+            _communicators.set_rebuild(comm, None)
         if comm is None or comm.Get_rank() == 0:
             if _shared.table is None:
                 _shared.table = _Table()

@@ -68,17 +68,20 @@ import os
 import sys
 import threading
 import time
-import weakref
 
 from mpi4py import MPI
 
+from .. import errors as _errors
 from .. import settings
 from .. import runtime
 from .. import communicators as _communicators
 from .. import recorder as _recorder, stacks as _stacks
 from . import report as stall_report
-from .._args import check_number
 from .report import ABORT_STATUS
+from . import slots as _slots_module
+from .slots import Scope, _Slot, _clock, _lock, _slots, check_timeout, watched
+# the rest of the hot path, re-exported: every layer calls them as watchdog.begin...
+from .slots import begin as begin, context as context, handoff as handoff, slot as slot
 
 __all__ = ["ABORT_STATUS", "Scope", "barrier", "set_timeout", "get_timeout", "start", "watched"]
 
@@ -100,15 +103,6 @@ def _timeout_from_env() -> tuple[float, str]:
 # Read once at import, as MPIDP_DEBUG is; set_timeout() replaces them.
 _timeout, _timeout_source = _timeout_from_env()
 _action = settings.get("MPIDP_TIMEOUT_ACTION")
-
-
-def check_timeout(name: str, value) -> None:
-    """Raise unless ``value`` is None or a timeout in seconds (a number >= 0)."""
-    try:
-        check_number(name, value, strict=False, optional=True)
-    except ValueError:
-        raise ValueError(f"{name} must be None or a number of seconds >= 0 (0 turns the stall "
-                         f"watchdog off), got {value!r}") from None
 
 
 def set_timeout(seconds: float | None, *, action: str | None = None) -> None:
@@ -140,133 +134,6 @@ def get_timeout() -> tuple[float, str]:
     return _timeout, _action
 
 
-# -- the hot path -------------------------------------------------------------------------
-
-class _Slot:
-    """What one thread is waiting in; written by that thread, read by the watchdog."""
-
-    __slots__ = ("current", "context", "site", "thread", "reported", "__weakref__")
-
-    def __init__(self, thread: int):
-        self.current = None  # (label, since, scope or None, waiting on a handle) during a call
-        self.context = None  # the innermost Scope of this thread
-        self.site = None  # the thread whose stack names the call site (None: this one)
-        self.thread = thread
-        self.reported = None  # `since` of the call last reported (watchdog thread only)
-
-
-_local = threading.local()
-_slots: weakref.WeakSet = weakref.WeakSet()  # a thread's slot goes with its thread
-_lock = threading.Lock()
-_clock = time.monotonic
-
-
-def _new_slot() -> _Slot:
-    slot = _local.slot = _Slot(threading.get_ident())
-    with _lock:
-        _slots.add(slot)
-    _ensure_thread()
-    return slot
-
-
-def slot() -> _Slot:
-    """This thread's slot."""
-    try:
-        return _local.slot
-    except AttributeError:
-        return _new_slot()
-
-
-def begin(label, context=None, waiting: bool = False) -> _Slot:
-    """Record that this thread enters a blocking MPI call; set ``.current = None`` after it.
-
-    Args:
-        label: what the call is (see the module docstring); formatted only in a report.
-        context: the Scope it belongs to (default: this thread's innermost).
-        waiting: it waits on a nonblocking operation's request.
-    """
-    try:
-        slot = _local.slot
-    except AttributeError:
-        slot = _new_slot()
-    slot.current = (label, _clock(), context or slot.context, waiting)
-    return slot
-
-
-def watched(label, call, *args, **kwargs):
-    """``call(*args, **kwargs)``, a blocking MPI call, recorded under ``label`` while it runs.
-
-    The one door for the blocking calls mpidp makes outside ``mpidp.comm`` (mpi4py's
-    pickled object collectives, a few small agreements): a rank that waits in one
-    is named in stall reports like any other collective. A bound method of a
-    communicator (``comm.allgather``) is also an entry of the flight recorder
-    (``mpidp.recorder``), under the method's name, its element count unknown.
-    """
-    comm = getattr(call, "__self__", None)
-    ticket = -1
-    if isinstance(comm, MPI.Comm):
-        ticket = _recorder.started(comm, call.__name__, -1, None, (),
-                                   label if isinstance(label, str) else None)
-    slot = begin(label)
-    try:
-        return call(*args, **kwargs)
-    finally:
-        slot.current = None
-        _recorder.ended(ticket)
-
-
-def context():
-    """This thread's innermost Scope, for a nonblocking operation to report under later."""
-    try:
-        return _local.slot.context
-    except AttributeError:
-        return None
-
-
-def handoff() -> tuple:
-    """(Scope, thread id) of this thread, for a helper thread that calls MPI on its behalf."""
-    return context(), threading.get_ident()
-
-
-class Scope:
-    """Name what the mpidp calls inside a ``with`` block are for, in stall reports.
-
-    Args:
-        what: a ``str.format`` template filled with ``args``, or a callable called
-            with them; evaluated only when a report is due.
-        args: its arguments: plain values, never tensors (the flight recorder
-            keeps the Scope of its last collectives).
-        timeout: seconds the calls inside may wait (0: never reported); None
-            keeps the enclosing scope's, or the process-wide one.
-        source: how the report names where ``timeout`` came from.
-    """
-
-    __slots__ = ("what", "args", "timeout", "source", "_slot", "_outer")
-
-    def __init__(self, what, *args, timeout: float | None = None, source: str = "a Scope"):
-        if timeout is not None:
-            check_timeout("timeout", timeout)
-        self.what, self.args, self.timeout, self.source = what, args, timeout, source
-
-    def __enter__(self) -> "Scope":
-        self._slot = slot()
-        outer = self._outer = self._slot.context
-        if self.timeout is None and outer is not None:
-            self.timeout, self.source = outer.timeout, outer.source
-        self._slot.context = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._slot.context = self._outer
-
-    def __str__(self) -> str:
-        what = self.what
-        text = what(*self.args) if callable(what) else what.format(*self.args)
-        outer = getattr(self, "_outer", None)
-        return text if outer is None else f"{outer}, {text}"
-
-
-
 # -- what this rank is doing -------------------------------------------------------------------
 
 def _limit(record) -> tuple[float, str]:
@@ -294,9 +161,9 @@ runtime.set_last_words(lambda reason: _recorder.dump(reason, describe_calls()))
 
 
 def barrier() -> None:
-    """Block until every rank of ``MPI.COMM_WORLD`` has called ``barrier`` (watched)."""
+    """Block until every rank of the world (``mpidp.runtime.world()``) has called ``barrier`` (watched)."""
     runtime.require_mpi()
-    watched("mpidp.barrier()", MPI.COMM_WORLD.Barrier)
+    watched("mpidp.barrier()", runtime.world().Barrier)
 
 
 def _state(now: float) -> dict:
@@ -346,6 +213,8 @@ _thread: threading.Thread | None = None
 _channel: stall_report.Channel | None = None
 _multiple = False
 _started = False  # start() ran (the communicator exists on every rank)
+_comm: MPI.Intracomm | None = None  # the channel's communicator, kept for a heal to release
+_channel_lock = threading.Lock()  # the channel, between the watchdog thread and a heal
 _stopping = threading.Event()
 _wake = threading.Event()
 _deadline: float | None = None  # when this rank aborts by itself
@@ -369,18 +238,44 @@ def start() -> None:
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return
-    comm = _communicators.made(world.Dup(), "the stall watchdog", "the watchdog's thread")
-    comm.Set_name("mpidp watchdog")
-    # The flight recorder's directory needs a name alike on every rank: the batch
-    # system's job id, else one that rank 0 picks (the one collective on this
-    # communicator, right after its creation).
-    job = _recorder.scheduler_job() or comm.bcast(
-        f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" if world.Get_rank() == 0 else None)
-    _recorder.set_job(job, world.Get_rank(), world.Get_size())
-    _stacks.arm()
-    if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
-        _channel = stall_report.Channel(comm, _state, _recorder.directory())
+    _channel = _open_channel(world, first=True)
     _ensure_thread()
+
+
+def _open_channel(world: MPI.Intracomm, first: bool = False) -> "stall_report.Channel | None":
+    global _comm
+    comm = _comm = _communicators.made(world.Dup(), "the stall watchdog",
+                                       "the watchdog's thread", rebuild=_rebuild)
+    comm.Set_name("mpidp watchdog")
+    if first:  # the flight recorder's directory keeps its name after a heal
+        # A name alike on every rank: the batch system's job id, else one that rank 0
+        # picks (the one collective on this communicator, right after its creation).
+        job = _recorder.scheduler_job() or comm.bcast(
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" if world.Get_rank() == 0 else None)
+        _recorder.set_job(job, world.Get_rank(), world.Get_size())
+        _stacks.arm()
+    if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
+        return stall_report.Channel(comm, _state, _recorder.directory())
+    return None
+
+
+def _rebuild(world: MPI.Intracomm) -> None:
+    """After a heal (``mpidp.healing``): the channel over the survivors (collective over ``world``).
+
+    The old channel's requests died with its revoked communicator; the watchdog
+    thread, which may have stopped on them, starts again.
+    """
+    global _channel, _thread
+    with _channel_lock:
+        _channel = None
+    _communicators.release(_comm)
+    channel = _open_channel(world) if world.Get_size() > 1 else None
+    stall_report.set_rank(world.Get_rank(), world.Get_size())
+    with _channel_lock:
+        _channel = channel
+    if _thread is not None and not _thread.is_alive():
+        _thread = None
+        _ensure_thread()
 
 
 def _ensure_thread() -> None:
@@ -393,7 +288,7 @@ def _ensure_thread() -> None:
         if _thread is not None:
             return
         # read here, on a thread that may call MPI, for the watchdog thread's lines
-        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        rank, size = runtime.world().Get_rank(), runtime.world().Get_size()
         if size == 1:
             return  # nothing to wait for: a lone rank's collectives complete locally
         stall_report.set_rank(rank, size)
@@ -406,6 +301,9 @@ def _ensure_thread() -> None:
             atexit.register(_stop)
             _stop_registered = True
 
+
+
+_slots_module.on_new_slot(_ensure_thread)
 
 def _period() -> float:
     """A quarter of the shortest timeout in force (process-wide, or of a call in progress)."""
@@ -427,9 +325,14 @@ def _run() -> None:
 
 
 def _tick(now: float) -> None:
-    global _deadline
     _stacks.heartbeat(_timeout)  # stacks from C if this thread cannot run again in time
     _stacks.poll()  # a signal's stacks: the flight record beside them
+    with _channel_lock:  # a heal replaces the channel (_rebuild)
+        _tick_locked(now)
+
+
+def _tick_locked(now: float) -> None:
+    global _deadline, _channel
     # This rank's own stall first: rank 0 may otherwise hear every other rank's
     # report in this poll and print the summary (and abort) before its own line.
     stalled = [(s, r) for s, r in _in_progress()
@@ -438,7 +341,12 @@ def _tick(now: float) -> None:
         for s, record in stalled:
             s.reported = record[1]  # one line per rank and call
         _report_stall(*stalled[0], now)
-    summary = _channel.poll(now) if _channel is not None else None
+    try:
+        summary = _channel.poll(now) if _channel is not None else None
+    except Exception as error:
+        if not _errors.lost_rank(error):
+            raise
+        _channel, summary = None, None  # a peer is gone: no summary until a heal's new channel
     if summary is not None:
         _conclude(summary)
     if _deadline is not None and now >= _deadline:

@@ -1,0 +1,403 @@
+"""``Healer``: go on training at N-1 ranks when a rank is lost, where MPI has ULFM.
+
+A rank or node that dies mid-training ends an ordinary MPI job. With
+User-Level Failure Mitigation (Open MPI 5 under ``mpirun --with-ft ulfm``) the
+library instead fails every operation that needs the lost rank with
+``MPI_ERR_PROC_FAILED`` (``mpidp.errors.RankLostError``), and the survivors can
+go on. ``Healer`` does it for mpidp's ``DistributedDataParallel`` with a
+``Checkpointer``::
+
+    healer = mpidp.Healer(checkpointer)
+    for x, y in healer.batches(loader, steps=total):   # re-split after a lost rank
+        with healer.guard():                            # a lost rank here: heal, retry
+            ...; loss.backward(); optimizer.step(); checkpointer.step()
+
+What happens, in order:
+
+1. **Detect.** A collective inside ``guard()`` fails with a lost rank. This
+   rank revokes every communicator mpidp registered and the world
+   (``MPI_Comm_revoke``), so that every survivor, whatever it waits in, fails
+   out of it too; ``guard()`` swallows the error.
+2. **Agree and shrink.** At the next batch, every survivor agrees
+   (``MPI_Comm_agree``, ``mpidp.comm.agreement.survivors_agree``) that all of them
+   can heal (no communicator that cannot be rebuilt), then shrinks the world
+   (``MPI_Comm_shrink``), which becomes ``mpidp.runtime.world()``.
+3. **Rebuild.** ``mpidp.communicators.rebuild_all``: each owner makes its
+   communicators again over the survivors (the DDP's pool, control
+   communicator and shared-memory node, the Checkpointer's, the default pool,
+   the watchdog's, the store's).
+4. **State.** A survivor whose step failed takes back the state it had when
+   that step began (``guard()`` copies it: model, optimizer, scheduler,
+   scaler, ``extra``, generators, the step count and the sampler's
+   position), since a step that failed after ``optimizer.step()`` left it
+   half-done. Each survivor then holds the state after some number of whole
+   steps of the N-rank run, which may differ by one between survivors. The
+   lowest rank among those with the most steps broadcasts its state to all.
+5. **Re-split.** The sampler deals the same global order to N-1 ranks from
+   that step's position, with the global batch kept (``batch_size`` becomes
+   global batch / (N-1), which must divide), and the loop goes on.
+
+The run after a heal is a run that changed its world size at that step, as a
+resume from a checkpoint at N-1 ranks would (``docs/checkpoint.md#lost-ranks``).
+
+Where the library has no ULFM (``ulfm()`` False: MPICH, Open MPI without
+``--with-ft ulfm``), ``guard()`` and ``batches()`` do nothing more than the
+plain loop and cost nothing: the launcher ends the job when a rank dies, and
+the next launch resumes from the last whole checkpoint.
+
+Rules: ``guard()``, ``batches()`` and a heal run on the program's thread; a
+heal is collective over the survivors, at the next batch after the failure.
+Every collective of a step must run inside ``guard()``: one outside it that
+meets a revoked communicator raises, and the job ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.data import BatchSampler, DataLoader
+
+from . import generators, runtime
+from .comm import agreement
+from . import communicators as _communicators
+from . import errors as _errors
+from . import watchdog as _watchdog
+from .checkpoint import Checkpointer
+from .ddp.data_parallel import DistributedDataParallel
+from .ddp.replica import broadcast_coalesced
+from .zero import ZeroRedundancyOptimizer
+
+__all__ = ["Healer", "ulfm"]
+
+_ON = ("1", "true", "yes", "on", "enabled")
+
+
+def ulfm() -> bool:
+    """Whether this MPI library goes on after a lost rank: Open MPI under ``mpirun --with-ft ulfm``.
+
+    The same on every rank: the launcher sets it for the whole job.
+    """
+    runtime.require_mpi()
+    return ("Open MPI" in MPI.Get_library_version() and hasattr(MPI.Comm, "Shrink")
+            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in _ON)
+
+
+def _leave_without_finalize() -> None:
+    """After a heal: run the other exit handlers, then end the process without MPI_Finalize.
+
+    Open MPI 5.0's MPI_Finalize waits forever for the lost rank (measured with the
+    5.0.11 wheel under ``--with-ft ulfm``; open-mpi/ompi issue 11404), so a healed
+    process ends here, once every handler registered before this one has run.
+    """
+    atexit.unregister(_leave_without_finalize)
+    atexit._run_exitfuncs()
+    status = 0
+    if runtime._exit_request is not None:  # sys.exit(n), or exit_for_requeue's status
+        status = runtime._exit_status(runtime._exit_request[0])
+    elif getattr(sys, "last_value", None) is not None:  # an uncaught exception ended __main__
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 (a closed stream must not stop the exit)
+            pass
+    os._exit(status)
+
+
+def _lost_ranks(old: MPI.Intracomm, world: MPI.Intracomm) -> list[int]:
+    """The ranks of ``old`` missing from ``world``, named as ``MPI.COMM_WORLD`` (the launcher) does."""
+    kept = set(MPI.Group.Translate_ranks(world.Get_group(), list(range(world.Get_size())),
+                                         old.Get_group()))
+    gone = [rank for rank in range(old.Get_size()) if rank not in kept]
+    return sorted(MPI.Group.Translate_ranks(old.Get_group(), gone, MPI.COMM_WORLD.Get_group()))
+
+
+def _unhealable(model) -> list[str]:
+    """What a heal cannot carry on with: communicators no owner rebuilds, and DDPs other than
+    ``model``, whose survivors' states may differ by a step and would not be made alike."""
+    others = [f"DistributedDataParallel {id(o):#x}" for o in _communicators.rebuilders()
+              if isinstance(o, DistributedDataParallel) and o is not model]
+    return _communicators.unrebuildable() + others
+
+
+def _copy(state, into=None):
+    """``state`` with every tensor copied: into ``into``'s tensors where it has the same shape
+    (no allocation: a step's copy reuses the last one's memory), else into new ones."""
+    leaves, spec = tree_flatten(state)
+    if into is not None:
+        old, old_spec = tree_flatten(into)
+        if old_spec == spec and all(
+                not isinstance(t, torch.Tensor) or (isinstance(b, torch.Tensor) and b.shape == t.shape
+                                                    and b.dtype == t.dtype and b.device == t.device)
+                for t, b in zip(leaves, old)):
+            return tree_unflatten([b.copy_(t) if isinstance(t, torch.Tensor) else t
+                                   for t, b in zip(leaves, old)], spec)
+    return tree_unflatten([t.detach().clone() if isinstance(t, torch.Tensor) else t
+                           for t in leaves], spec)
+
+
+class Healer:
+    """Keep a ``Checkpointer``'s training going at N-1 ranks when a rank is lost (ULFM).
+
+    Construct it on every rank after the ``Checkpointer`` (collective). See the
+    module's docstring for the loop and what a heal does.
+
+    Args:
+        checkpointer: the run's ``mpidp.Checkpointer``, with an mpidp
+            ``DistributedDataParallel`` over the world as its model and an
+            ``mpidp.DistributedSampler`` with ``batch_size``.
+
+    Attributes:
+        active: whether this job can heal (``ulfm()`` and more than one rank).
+        heals: one dict per heal: ``step``, ``lost`` (their ranks in ``MPI.COMM_WORLD``),
+            ``world`` (the ranks after), ``seconds`` (from this rank's detection
+            to the end of the heal), ``root`` (whose state was taken).
+
+    Raises:
+        TypeError, ValueError: on every rank: not a Checkpointer, or one without
+            a sampler; and, where this job can heal, what cannot: torch's DDP
+            or FSDP, a ``ZeroRedundancyOptimizer`` (its shards have no replica),
+            a DDP over a communicator other than the world, a second DDP, or
+            communicators that no owner can rebuild (``SyncBatchNorm``,
+            ``mpidp.horovod``, torch.distributed groups over ``"mpidp"``). Where
+            it cannot heal, the loop is the plain one whatever trains in it.
+    """
+
+    def __init__(self, checkpointer: Checkpointer):
+        self.active = ulfm() and runtime.size() > 1
+        error = None
+        try:
+            self._check(checkpointer, self.active)
+        except (TypeError, ValueError) as caught:
+            error = caught
+        comm = checkpointer._comm if isinstance(checkpointer, Checkpointer) else runtime.world()
+        agreement.agree(comm, error, "Healer(): can every rank heal?")
+        self.checkpointer = checkpointer
+        self.heals: list[dict] = []
+        self._lost: float | None = None  # when this rank met the lost rank, until the heal
+        self._snapshot: dict | None = None  # the state at the start of the step in guard()
+        self._spare: dict | None = None  # the last copy, whose memory the next one reuses
+
+    @staticmethod
+    def _check(checkpointer, active: bool) -> None:
+        if not isinstance(checkpointer, Checkpointer):
+            raise TypeError(f"checkpointer must be an mpidp.Checkpointer, got "
+                            f"{type(checkpointer).__name__}")
+        if checkpointer.sampler is None:
+            raise ValueError("Healer needs the Checkpointer's sampler and batch_size, to "
+                             "deal the batches (and re-split them after a lost rank)")
+        if not active:
+            return
+        model = checkpointer.model
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"Healer heals mpidp.DistributedDataParallel only, got "
+                            f"{type(model).__name__} (torch's DDP and FSDP over \"mpidp\" cannot "
+                            f"rebuild their process groups)")
+        if not model._over_world:
+            raise ValueError("Healer: the DistributedDataParallel trains over a communicator "
+                             "of its own; only one over the world (comm=None) follows a heal")
+        if isinstance(checkpointer.optimizer, ZeroRedundancyOptimizer):
+            raise TypeError("Healer: a ZeroRedundancyOptimizer's shards have no replica on "
+                            "another rank, so a lost rank's shard cannot be recovered; use a "
+                            "plain torch optimizer")
+        stuck = _unhealable(model)
+        if stuck:
+            raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck} "
+                             f"(what a heal rebuilds: docs/checkpoint.md#lost-ranks)")
+
+    # -- the loop ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Run one training step; a lost rank inside it is healed at the next batch (local).
+
+        Copies the state at entry (while this job can heal), so that a step
+        that failed half-way can be taken back. Any other error passes through.
+        """
+        if not self.active:
+            yield
+            return
+        self._snapshot = self._capture()
+        try:
+            yield
+        except Exception as error:
+            if not _errors.lost_rank(error):
+                raise
+            self._lost_now()
+        else:
+            self._snapshot = None  # the step is whole: the state now is the one to offer
+
+    def batches(self, loader: DataLoader, steps: int):
+        """Yield ``loader``'s batches, epoch after epoch, until the Checkpointer counts ``steps``.
+
+        Heals (collective over the survivors) before the next batch after a lost
+        rank, then goes on from the step the survivors agreed on, with the data
+        re-split. ``loader`` must draw from the Checkpointer's sampler, with its
+        ``batch_size``; both are changed in place by a heal.
+
+        Raises:
+            ValueError: (on every rank) ``loader`` does not draw from the
+                Checkpointer's sampler with its batch_size, or yields no batch.
+        """
+        checkpointer = self.checkpointer
+        self._check_loader(loader)
+        sampler = checkpointer.sampler
+        while True:
+            if self._lost is not None:
+                self._heal(loader)
+            if checkpointer.steps >= steps:
+                if self._finished():
+                    return
+                continue
+            fresh, yielded = sampler.start == 0, 0
+            for batch in loader:
+                yielded += 1
+                yield batch
+                if self._lost is not None or checkpointer.steps >= steps:
+                    break
+            else:
+                if fresh and not yielded:
+                    raise ValueError(f"the loader yields no batch in epoch {sampler.epoch}")
+                sampler.set_epoch(sampler.epoch + 1)
+
+    def _check_loader(self, loader) -> None:
+        checkpointer = self.checkpointer
+        problem = None
+        if not isinstance(loader, DataLoader) or loader.sampler is not checkpointer.sampler:
+            problem = "loader must be a DataLoader whose sampler is the Checkpointer's"
+        elif (type(loader.batch_sampler) is not BatchSampler
+              or loader.batch_sampler.batch_size != checkpointer.batch_size):
+            problem = (f"loader must take batch_size={checkpointer.batch_size} (the "
+                       f"Checkpointer's) samples per batch from its sampler")
+        agreement.raise_together(checkpointer._comm, problem, ValueError, "Healer.batches():")
+
+    def _finished(self) -> bool:
+        """Whether every rank is done too (collective): a survivor must not leave while others heal."""
+        if not self.active:
+            return True
+        try:
+            agreement.any_failed(self.checkpointer._comm, False, "Healer: is every rank done?")
+        except Exception as error:
+            if not _errors.lost_rank(error):
+                raise
+            self._lost_now()
+            return False
+        return True
+
+    def _lost_now(self) -> None:
+        """Revoke everything at once, so that every survivor fails out of what it waits in."""
+        if self._lost is None:
+            self._lost = time.monotonic()
+        runtime.world().Revoke()
+        _communicators.revoke_all()
+
+    # -- the state -----------------------------------------------------------------------
+
+    def _parts(self) -> dict:
+        checkpointer = self.checkpointer
+        parts = {"optimizer": checkpointer.optimizer, "scheduler": checkpointer.scheduler,
+                 "scaler": checkpointer.scaler}
+        parts.update({f"extra:{name}": obj for name, obj in checkpointer.extra.items()})
+        return {name: obj for name, obj in parts.items() if obj is not None}
+
+    def _position(self) -> tuple:
+        c = self.checkpointer
+        return c.steps, c._epoch, c._base, c._batches, c.sampler.epoch, c.sampler.start
+
+    def _capture(self) -> dict:
+        """This rank's state at the start of a step, copied (the step changes it in place)
+        into the memory of the last step's copy."""
+        last = self._spare or {}
+        module = self.checkpointer.model.module
+        self._spare = {"model": _copy(module.state_dict(), last.get("model")),
+                       "rng": generators.states(), "position": self._position(),
+                       **{name: _copy(obj.state_dict(), last.get(name))
+                          for name, obj in self._parts().items()}}
+        return self._spare
+
+    def _restore(self, snapshot: dict) -> None:
+        self._spare = None  # the optimizer may now hold these very tensors: copy afresh
+        c = self.checkpointer
+        c.model.module.load_state_dict(snapshot["model"])
+        for name, obj in self._parts().items():
+            obj.load_state_dict(snapshot[name])
+        generators.restore(snapshot["rng"])
+        c.steps, c._epoch, c._base, c._batches, epoch, start = snapshot["position"]
+        c.sampler.epoch, c.sampler.start = epoch, start
+
+    # -- the heal ------------------------------------------------------------------------
+
+    def _heal(self, loader: DataLoader) -> None:
+        """Agree, shrink, rebuild, take the state, re-split (collective over the survivors)."""
+        detected, self._lost = self._lost, None
+        c = self.checkpointer
+        old = runtime.world()
+        stuck = _unhealable(c.model)
+        whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
+        world = old.Shrink()
+        lost = _lost_ranks(old, world)
+        global_batch = c.batch_size * c.world
+        why = None
+        if not whole:
+            why = f"communicators that cannot be rebuilt: {stuck or 'on another rank'}"
+        elif global_batch % world.Get_size():
+            why = (f"the global batch of {global_batch} samples does not divide among "
+                   f"{world.Get_size()} ranks")
+        if why is not None:  # the same on every survivor: all raise it, the job ends
+            raise RuntimeError(f"mpidp.Healer: rank(s) {lost} of MPI_COMM_WORLD were lost at "
+                               f"step {c.steps} and the run cannot go on at "
+                               f"{world.Get_size()} ranks: {why}. Resume from the last "
+                               f"checkpoint in {c.directory} at a size that fits")
+        if not runtime.healed():
+            atexit.register(_leave_without_finalize)
+        runtime.set_world(world)
+        _communicators.rebuild_all(world)
+        if self._snapshot is not None:  # this rank's step failed: back to its start
+            self._restore(self._snapshot)
+            self._snapshot = None
+        root = self._take_state(world)
+        self._resplit(world, global_batch, loader)
+        seconds = time.monotonic() - detected
+        self.heals.append(dict(step=c.steps, lost=lost, world=world.Get_size(),
+                               seconds=seconds, root=root))
+        if world.Get_rank() == 0:
+            print(f"mpidp: rank(s) {lost} of MPI_COMM_WORLD lost; healed in {seconds:.2f} s, "
+                  f"going on at {world.Get_size()} ranks from step {c.steps} (the state of "
+                  f"rank {root})", flush=True)
+
+    def _take_state(self, world: MPI.Intracomm) -> int:
+        """Every survivor takes the state of the one with the most whole steps (collective)."""
+        c = self.checkpointer
+        counts = agreement.watched_allgather(world, c.steps, "Healer: how many steps has each?")
+        root = counts.index(max(counts))
+        state = None
+        if world.Get_rank() == root:
+            state = {"position": self._position(), "rng": None,
+                     **{name: obj.state_dict() for name, obj in self._parts().items()}}
+        state = _watchdog.watched("Healer: the state's broadcast", world.bcast, state, root)
+        module = c.model.module
+        broadcast_coalesced([*module.parameters(), *module.buffers()], root, comm=world)
+        if world.Get_rank() != root:
+            for name, obj in self._parts().items():
+                obj.load_state_dict(state[name])
+        c.steps, c._epoch, c._base, c._batches, epoch, start = state["position"]
+        c.sampler.epoch, c.sampler.start = epoch, start
+        return root
+
+    def _resplit(self, world: MPI.Intracomm, global_batch: int, loader: DataLoader) -> None:
+        """The same global order from the agreed position, dealt to the survivors (local)."""
+        c = self.checkpointer
+        epoch = c.sampler.epoch if c._epoch is None else c._epoch
+        start = c._base + c._batches * global_batch  # samples of the epoch's global order taken
+        c.batch_size = global_batch // world.Get_size()
+        c.sampler.resize(world.Get_size(), world.Get_rank())
+        c.sampler.resume_from(epoch, start)
+        c._epoch, c._base, c._batches = epoch, start, 0
+        loader.batch_sampler.batch_size = c.batch_size

