@@ -515,22 +515,48 @@ def test_some_snippets_are_marked_to_run():
     assert len({page for page, _, _ in RUNNABLE}) >= 3
 
 
-@pytest.mark.parametrize("page,code,ranks", RUNNABLE,
-                         ids=[f"{page}:{index}" for index, (page, _, _) in enumerate(RUNNABLE)])
-def test_complete_snippets_run(page, code, ranks, tmp_path):
-    """A block marked ``<!-- runs: N -->`` is a whole program: pasted into a file, it runs at N ranks."""
+def _missing_extra(code: str) -> str | None:
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]):
                 if importlib.util.find_spec(name.split(".")[0]) is None:
-                    pytest.skip(f"{name} is not installed (an extra)")
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
+                    return f"{name} is not installed (an extra)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(tmp_path_factory) -> dict[int, tuple[subprocess.CompletedProcess, list[str]]]:
+    """Every runnable snippet of a rank count in one launch (tests/mpi/run_scripts.py), each
+    as the whole program in a file of its own, in the order of RUNNABLE: {ranks: (result,
+    the files in order)}. A snippet that fails ends the launch; the ones after it never run."""
+    folder = tmp_path_factory.mktemp("snippets")
+    sizes: dict[int, list[str]] = {}
+    for index, (_, code, ranks) in enumerate(RUNNABLE):
+        if _missing_extra(code) is None:
+            (folder / f"snippet_{index}.py").write_text(code)
+            sizes.setdefault(ranks, []).append(f"snippet_{index}.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, str(script)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-                            start_new_session=True)
-    assert result.returncode == 0, f"{page}:\n{code}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    runner = str(ROOT / "tests" / "mpi" / "run_scripts.py")
+    return {ranks: (subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, runner, *files],
+                                   cwd=folder, env=env, capture_output=True, text=True, timeout=400,
+                                   start_new_session=True), files)
+            for ranks, files in sizes.items()}
+
+
+@pytest.mark.parametrize("index", range(len(RUNNABLE)),
+                         ids=[f"{page}:{index}" for index, (page, _, _) in enumerate(RUNNABLE)])
+def test_complete_snippets_run(index, snippet_runs):
+    """A block marked ``<!-- runs: N -->`` is a whole program: pasted into a file, it runs at N ranks."""
+    page, code, ranks = RUNNABLE[index]
+    if why := _missing_extra(code):
+        pytest.skip(why)
+    result, files = snippet_runs[ranks]
+    mine = files.index(f"snippet_{index}.py")
+    started = [f for f in files if f"=== run_scripts: {f}\n" in result.stdout]
+    ended = len(started) > mine + 1 or result.returncode == 0
+    assert started[-1:] != [files[mine]] or ended, \
+        f"{page}:\n{code}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert files[mine] in started, f"not reached: the snippet before it failed ({started[-1]})"
 
 
 # -- samples of what the code writes -------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python tests/mpi/backend_stall.py timeout|watchdog
 
-``timeout``: the group's timeout is 4 s (init_process_group's ``timeout``); the
+``timeout``: the group's timeout is 2 s (init_process_group's ``timeout``); the
 future torch's DDP waits on fails with DistBackendError, the backward raises and
 the job ends. ``watchdog``: torch's default timeout, ``MPIDP_TIMEOUT`` short
 (set by the test); the stall watchdog sees the pending Work and ends the job.
@@ -20,7 +20,7 @@ from torch import nn
 import mpidp
 
 mode = sys.argv[1]
-kwargs = {"timeout": datetime.timedelta(seconds=4)} if mode == "timeout" else {}
+kwargs = {"timeout": datetime.timedelta(seconds=2)} if mode == "timeout" else {}
 mpidp.init_process_group(**kwargs)
 rank = dist.get_rank()
 torch.manual_seed(0)

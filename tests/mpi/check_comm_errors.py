@@ -248,3 +248,26 @@ def test_a_forked_child_does_not_reuse_the_default_pool():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     sums_agree()
+
+
+def test_the_watchdogs_settings_are_checked():
+    """DistributedDataParallel(timeout=) and watchdog.set_timeout() refuse bad values by name;
+    set_timeout(None) goes back to MPIDP_TIMEOUT."""
+    before = mpidp.watchdog.get_timeout()
+    with pytest.raises(ValueError) as error:
+        mpidp.DistributedDataParallel(torch.nn.Linear(2, 2), timeout=-1)
+    assert str(error.value) == ("timeout must be None or a number of seconds >= 0 (0 turns the "
+                                "stall watchdog off), got -1")
+    with pytest.raises(ValueError) as error:
+        mpidp.watchdog.set_timeout("10")
+    assert str(error.value) == ("seconds must be None or a number of seconds >= 0 (0 turns the "
+                                "stall watchdog off), got '10'")
+    with pytest.raises(ValueError) as error:
+        mpidp.watchdog.set_timeout(10, action="ignore")
+    assert str(error.value) == "action must be one of abort, report, got 'ignore'"
+    assert mpidp.watchdog.get_timeout() == before  # a refused call changes nothing
+    mpidp.watchdog.set_timeout(7.5, action="report")
+    assert mpidp.watchdog.get_timeout() == (7.5, "report")
+    mpidp.watchdog.set_timeout(None, action="abort")
+    assert mpidp.watchdog.get_timeout() == (float(os.environ.get("MPIDP_TIMEOUT", 600)), "abort")
+    sums_agree()

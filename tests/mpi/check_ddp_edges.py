@@ -361,6 +361,8 @@ def test_dataclass_output_with_find_unused_matches_torch_ddp():
 
 
 def test_a_thousand_wraps_with_close_stay_bounded():
+    if SIZE > 2:  # what it counts does not depend on the size; 3 ranks on 2 cores take 4x as long
+        pytest.skip("bounded at 1 and 2 ranks is bounded")
     model = mlp()
     threads = threading.active_count()
     for k in range(1000):  # 3 communicators each: 3,000 would exhaust MPICH's context ids

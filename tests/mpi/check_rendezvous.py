@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _idle
 import pytest
 import torch
 import torch.distributed as dist
@@ -298,4 +299,4 @@ def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
             assert "rank 1: MPIDP_EXPORT_ENV=1, MPIDP_STORE=local" in split.stderr
         finally:
             script.unlink()
-    WORLD.Barrier()
+    _idle.barrier(WORLD)  # rank 1 sleeps while rank 0's jobs run

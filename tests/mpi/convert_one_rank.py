@@ -1,6 +1,6 @@
 """Rank 0 alone converts the DDP wrapper (ddp.double()); the stall watchdog must end the job.
 
-    MPIDP_TIMEOUT=4 mpiexec -n 2 python tests/mpi/convert_one_rank.py
+    MPIDP_TIMEOUT=2 mpiexec -n 2 python tests/mpi/convert_one_rank.py
 
 A conversion through the wrapper is collective (it rebuilds the buckets on
 every rank alike), so rank 0 waits in its model check while rank 1 goes on to

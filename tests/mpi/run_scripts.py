@@ -5,23 +5,44 @@
 
 Each script runs as ``__main__`` with its own ``sys.argv``, after every rank has
 finished the one before (a barrier), so one launch of torch, MPI and mpidp serves
-them all. For scripts that leave no process group or other global state behind
-(tests/test_mpi.py's lab examples); a script that raises ends the job as it would
-alone (mpidp's abort on an uncaught exception).
+them all. Before each, rank 0 prints ``=== run_scripts: COMMAND`` on a line of
+its own: what rank 0 prints for a script comes after its line (another rank's
+lines may reach the launcher's output a little earlier or later). A script may
+end with ``sys.exit(0)``; a default process group it leaves is destroyed. For
+scripts that leave no other global state behind; a script that raises or exits
+with another status ends the job as it would alone (mpidp's end of the job).
 """
 
 import runpy
 import shlex
 import sys
 
+import torch.distributed as dist
 from mpi4py import MPI
+
+MARK = "=== run_scripts: "
+
+
+def sections(output: str) -> dict[str, str]:
+    """Split a launch's stdout into {command: what follows its mark}."""
+    parts = output.split(MARK)[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] if "\n" in part else ""
+            for part in parts}
 
 
 def main() -> None:
     for command in sys.argv[1:]:
         script, *args = shlex.split(command)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"{MARK}{command}", flush=True)
         sys.argv = [script, *args]
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as end:
+            if end.code not in (None, 0):
+                raise
+        if dist.is_initialized():
+            dist.destroy_process_group()
         sys.stdout.flush()
         MPI.COMM_WORLD.Barrier()
 

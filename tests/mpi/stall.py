@@ -1,6 +1,6 @@
 """Hangs the stall watchdog must report; tests/test_mpi.py runs it with a short MPIDP_TIMEOUT.
 
-    MPIDP_TIMEOUT=5 mpiexec -n 3 python tests/mpi/stall.py MODE [RANK [OVERLAP]]
+    MPIDP_TIMEOUT=2 mpiexec -n 3 python tests/mpi/stall.py MODE [RANK [OVERLAP]]
 
 Modes:
 
@@ -12,12 +12,11 @@ Modes:
   same communicator (the default pool's second member), with the same count;
 - ``sleep RANK [OVERLAP]``: at DDP step 3, ``RANK`` sleeps in user code
   between forward and backward while the others wait in the step's first
-  bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 8``
+  bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 5``
   seconds, wakes up, and the training ends normally;
 - ``gil RANK``: as ``sleep``, but ``RANK`` sleeps in C holding the GIL, so no
   thread of it can answer;
-- ``train [OVERLAP ...]``: DDP training runs that never stall, one per strategy given;
-- ``checks``: the watchdog's argument checks (no stall).
+- ``train [OVERLAP ...]``: DDP training runs that never stall, one per strategy given.
 
 Set ``STALL_THREAD_LEVEL`` (e.g. "serialized") to initialise MPI at that level,
 ``STALL_DDP_TIMEOUT`` to pass it to DistributedDataParallel as ``timeout``.
@@ -93,37 +92,11 @@ def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: boo
             if RANK == stop_rank and holds_gil:
                 ctypes.PyDLL(None).sleep(120)  # libc sleep() through PyDLL keeps the GIL
             elif RANK == stop_rank:
-                time.sleep(TIMEOUT + 8 if REPORT_ONLY else 120)
+                time.sleep(TIMEOUT + 5 if REPORT_ONLY else 120)  # the summary comes within 3 s + a period
         loss.backward()
         optimizer.step()
     ddp.close()
     print(f"rank {RANK} trained {steps} steps", flush=True)
-
-
-def expect_error(call, message: str) -> None:
-    try:
-        call()
-    except ValueError as error:
-        if str(error) != message:
-            raise AssertionError(f"expected {message!r}, got {str(error)!r}") from None
-    else:
-        raise AssertionError(f"no error, expected {message!r}")
-
-
-def checks() -> None:
-    expect_error(lambda: mpidp.DistributedDataParallel(nn.Linear(2, 2), timeout=-1),
-                 "timeout must be None or a number of seconds >= 0 (0 turns the stall watchdog "
-                 "off), got -1")
-    expect_error(lambda: mpidp.watchdog.set_timeout("10"),
-                 "seconds must be None or a number of seconds >= 0 (0 turns the stall watchdog "
-                 "off), got '10'")
-    expect_error(lambda: mpidp.watchdog.set_timeout(10, action="ignore"),
-                 "action must be one of abort, report, got 'ignore'")
-    mpidp.watchdog.set_timeout(7.5, action="report")
-    assert mpidp.watchdog.get_timeout() == (7.5, "report"), mpidp.watchdog.get_timeout()
-    mpidp.watchdog.set_timeout(None, action="abort")
-    assert mpidp.watchdog.get_timeout() == (TIMEOUT, "abort"), mpidp.watchdog.get_timeout()
-    print(f"rank {RANK} checks passed", flush=True)
 
 
 def main() -> None:
@@ -140,8 +113,6 @@ def main() -> None:
     elif mode == "train":
         for overlap in args or ["auto"]:  # one launch, each strategy in turn
             train(40, overlap)
-    elif mode == "checks":
-        checks()
     else:
         raise ValueError(f"unknown mode {mode!r}")
     other.Free()
