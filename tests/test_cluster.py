@@ -120,7 +120,7 @@ def test_a_cut_link_ends_the_job_with_the_watchdogs_report():
     made = cluster()
     with made:
         train = ROOT / "bench" / "cluster" / "train_until_cut.py"
-        job = made.launch([sys.executable, str(train)], ppn=PPN, env={"MPIDP_TIMEOUT": "5"})
+        job = made.launch([sys.executable, str(train)], ppn=PPN, env={"MPIDP_TIMEOUT": "3"})
         try:
             assert job.wait_for("step 3 rank 2", 120), f"n1 never trained:\n{job.output[-4000:]}"
             made.set_link("n1", up=False)
@@ -144,7 +144,7 @@ def test_the_watchdog_accounts_for_every_rank_across_nodes():
     made = cluster()
     with made:
         result = made.run([sys.executable, str(ROOT / "tests" / "mpi" / "stall.py"), "sleep", "3",
-                           "inline"], ppn=PPN, timeout=180, env={"MPIDP_TIMEOUT": "5"})
+                           "inline"], ppn=PPN, timeout=180, env={"MPIDP_TIMEOUT": "3"})
     assert_all_gone(made)
     summary = re.search(r"stall summary: .*", result.output)
     assert summary, result.output[-4000:]

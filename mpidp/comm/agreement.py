@@ -22,8 +22,8 @@ from .. import watchdog as _watchdog
 from .handle import collective
 from .pool import _collective_comm
 
-__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_together",
-           "survivors_agree", "watched_allgather"]
+__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_gathered",
+           "raise_together", "survivors_agree", "watched_allgather"]
 
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
@@ -79,7 +79,15 @@ def raise_together(comm: MPI.Intracomm, problem: str | None, kind: type, what: s
     """Raise ``kind(f"{what} {by_rank(problems)}")`` on every rank if any rank has a ``problem``."""
     label = label or f"{what.rstrip(':')} (do all ranks agree?)"
     if any_failed(comm, problem is not None, label):
-        raise kind(f"{what} {by_rank(watched_allgather(comm, problem, label))}")
+        raise_gathered(comm, problem, kind, what, label)
+
+
+def raise_gathered(comm: MPI.Intracomm, problem: str | None, kind: type, what: str,
+                   label: str) -> None:
+    """The second half of ``raise_together``, where every rank already knows that some rank
+    failed (a flag that rode on a collective the check needed anyway): gather the problems
+    and raise ``kind(f"{what} {by_rank(problems)}")`` on every rank."""
+    raise kind(f"{what} {by_rank(watched_allgather(comm, problem, label))}")
 
 
 def agree(comm: MPI.Intracomm, error: BaseException | None, label: str) -> None:

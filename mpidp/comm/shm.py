@@ -38,6 +38,7 @@ from mpi4py import MPI
 from .. import communicators as _communicators
 from .. import settings
 from . import chunking as _chunking
+from . import agreement as _agreement
 from . import handle as _handle
 
 __all__ = ["Node", "Window", "node_of"]
@@ -141,10 +142,10 @@ class Node:
                                             "shared-memory window name (broadcast)")
         if self.local_rank != 0 and identity is not None:
             mapping = _open(name, size, identity)
-        mapped = _handle.collective(self.node, "allreduce", (int(mapping is not None), MPI.MIN),
-                                    "shared-memory window check (allreduce)")
-        ok = _handle.collective(self.cross, "allreduce", (mapped, MPI.MIN),
-                                "shared-memory window check (allreduce)")
+        # the agreement, node by node and then across the nodes: every rank the same verdict
+        failed = _agreement.any_failed(self.node, mapping is None,
+                                       "shared-memory window check (allreduce)")
+        ok = not _agreement.any_failed(self.cross, failed, "shared-memory window check (allreduce)")
         if self.local_rank == 0 and name is not None:
             try:
                 os.unlink(name)  # every local rank has mapped it or given up: the name may go

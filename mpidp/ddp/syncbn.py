@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..comm.handle import collective
+from ..comm import agreement as _agreement
 from .. import _args
 from .. import comm as _comm
 from .. import communicators as _communicators
@@ -347,12 +347,10 @@ class SyncBatchNorm(_BatchNorm):
         return mean, (squares - sums * mean).clamp_(min=0), count
 
     def _raise_input_problems(self, problem: str | None):
-        # The flag only says that some rank's input was bad; gather the reasons
-        # (this path only) so that every rank raises the same message.
-        problems = collective(self._channel.comm, "allgather", (problem,),
-                              "SyncBatchNorm's input check (allgather)")
-        text = "; ".join(f"{p} on rank {r}" for r, p in enumerate(problems) if p is not None)
-        raise ValueError(f"SyncBatchNorm: {text}")
+        # The flag in the statistics only says that some rank's input was bad: the
+        # agreement gathers the reasons (this path only), every rank raises the same.
+        _agreement.raise_gathered(self._channel.comm, problem, ValueError, "SyncBatchNorm:",
+                                  "SyncBatchNorm's input check (allgather)")
 
     def _update_running_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: float) -> None:
         self.num_batches_tracked.add_(1)

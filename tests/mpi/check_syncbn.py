@@ -299,13 +299,18 @@ def test_invalid_input_on_one_rank_raises_on_every_rank():
     last = SIZE - 1
     cases = [
         (torch.randn(CHANNELS) if RANK == last else torch.randn(2, CHANNELS, 3, 3),
-         f"SyncBatchNorm: expected 2D to 5D input (got 1D input) on rank {last}"),
+         f"SyncBatchNorm: rank {last}: expected 2D to 5D input (got 1D input)"),
         (torch.randn(2, 5, 3, 3) if RANK == 0 else torch.randn(2, CHANNELS, 3, 3),
-         "SyncBatchNorm: expected 4 channels in dim 1 (got input of shape (2, 5, 3, 3)) on rank 0"),
-        (torch.ones(2, CHANNELS, 3, 3, dtype=torch.int64),
-         "; ".join(f"expected a float16, bfloat16, float32 or float64 input (got torch.int64) "
-                   f"on rank {rank}" for rank in range(SIZE)).join(["SyncBatchNorm: ", ""])),
+         "SyncBatchNorm: rank 0: expected 4 channels in dim 1 (got input of shape (2, 5, 3, 3))"),
+        (torch.ones(2, CHANNELS, 3, 3, dtype=torch.int64),  # the same problem everywhere: once
+         f"SyncBatchNorm: {'rank 0' if SIZE == 1 else f'ranks 0-{SIZE - 1}'}: expected a "
+         f"float16, bfloat16, float32 or float64 input (got torch.int64)"),
     ]
+    if SIZE > 2:  # different problems on different ranks: each with its ranks
+        cases.append((torch.randn(CHANNELS) if RANK == 0 else
+                      torch.randn(2, 5, 3, 3) if RANK == 1 else torch.randn(2, CHANNELS, 3, 3),
+                      "SyncBatchNorm: rank 0: expected 2D to 5D input (got 1D input); rank 1: "
+                      "expected 4 channels in dim 1 (got input of shape (2, 5, 3, 3))"))
     for tensor, message in cases:
         with pytest.raises(ValueError) as info:
             mine(tensor)
