@@ -13,12 +13,20 @@ need a GPU or Horovod's gloo controller skip (they are the suite's own skips); t
 three that fail on real Horovod too (torch 2.13's Muon) are deselected; the four
 duplicate-name tests fail (KNOWN_FAILING: they need Horovod's matching by name).
 docs/horovod.md lists them with their reasons.
+
+Horovod's two PyTorch examples (``examples/pytorch`` there) run unchanged too, in one
+2-rank job: they import torchvision, which has no CPU build for this torch, and get
+the test-only stand-in ``tests/horovod_shim/torchvision`` (synthetic MNIST, three
+transforms, a small CNN under torchvision's model names).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +37,7 @@ import launch
 SUITE = Path(os.environ.get("HOROVOD_SUITE", launch.ROOT.parent / "shared" / "horovod-0.28.1"))
 SHIM = launch.ROOT / "tests" / "horovod_shim"
 SUITE_FILE = SUITE / "test" / "parallel" / "test_torch.py"
+EXAMPLES = SUITE / "examples" / "pytorch"
 TESTS = 115  # TorchTests' tests in Horovod 0.28.1
 
 # Iterating over every torch optimizer, they reach torch 2.13's Muon, which rejects the
@@ -63,14 +72,18 @@ def expected_outcome(name: str) -> str:
     return "passed"
 
 
+def shim_env(**extra: str) -> dict[str, str]:
+    """The environment of a launch that runs Horovod's code: the shim first on PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONDONTWRITEBYTECODE": "1", **extra}  # nothing written beside the suite
+
+
 def run_suite(nprocs: int, out: Path, *, timeout: float) -> dict[str, list[str]]:
     """Run the suite on ``nprocs`` ranks; return each test's outcomes, one per rank."""
     if not SUITE_FILE.exists():
         pytest.skip(f"Horovod's test suite is not at {SUITE} (set HOROVOD_SUITE)")
-    env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONDONTWRITEBYTECODE": "1",  # nothing written beside the suite
-           "HVD_SUITE_OUT": str(out), "HVD_SUITE_ABORT": "1",
-           "HVD_SUITE_DESELECT": ",".join(MUON), "HVD_SUITE_KNOWN_FAILING": ",".join(KNOWN_FAILING)}
+    env = shim_env(HVD_SUITE_OUT=str(out), HVD_SUITE_ABORT="1", HVD_SUITE_DESELECT=",".join(MUON),
+                   HVD_SUITE_KNOWN_FAILING=",".join(KNOWN_FAILING))
     # pytest exits with 1 for the known failures: the outcomes below are what is checked
     result = launch.run(nprocs, ["-m", "pytest", "-c", str(SHIM / "pytest.ini"), "--rootdir",
                                  str(SUITE), str(SUITE_FILE)], timeout=timeout, env=env,
@@ -92,3 +105,30 @@ def test_horovods_own_torch_suite_passes_at_2_ranks(tmp_path):
     wrong = {name: got for name, got in outcomes.items()
              if got != [expected_outcome(name)] * 2}
     assert not wrong, wrong
+
+
+def test_horovods_own_examples_run_unchanged_at_2_ranks(tmp_path):
+    """pytorch_mnist.py and pytorch_synthetic_benchmark.py, short, one after the other in one
+    launch (tests/mpi/run_scripts.py): the MNIST example learns the stand-in digits, the
+    benchmark prints its total. HOME is a temporary folder: the MNIST example takes a file
+    lock in ``~``."""
+    if not EXAMPLES.is_dir():
+        pytest.skip(f"Horovod's examples are not at {EXAMPLES} (set HOROVOD_SUITE)")
+    mnist = shlex.join([str(EXAMPLES / "pytorch_mnist.py"), "--epochs", "2", "--batch-size", "32",
+                        "--lr", "0.05", "--log-interval", "100", "--data-dir", str(tmp_path)])
+    benchmark = shlex.join([str(EXAMPLES / "pytorch_synthetic_benchmark.py"), "--batch-size", "4",
+                            "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+                            "--num-iters", "2"])
+    out = launch.run(2, ["tests/mpi/run_scripts.py", mnist, benchmark], timeout=240,
+                     env=shim_env(HOME=str(tmp_path))).stdout
+    sys.path.insert(0, str(launch.ROOT / "tests" / "mpi"))
+    import run_scripts
+    sys.path.pop(0)
+    printed = run_scripts.sections(out)
+    tests = re.findall(r"Test set: Average loss: ([\d.]+), Accuracy: ([\d.]+)%", printed[mnist])
+    assert len(tests) == 2, printed[mnist][-3000:]  # rank 0 tests after each epoch
+    (first_loss, _), (loss, accuracy) = [(float(a), float(b)) for a, b in tests]
+    assert loss < first_loss and accuracy > 50, printed[mnist][-3000:]  # chance: 10 %
+    assert "Model: resnet50\nBatch size: 4\nNumber of CPUs: 2" in printed[benchmark]
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", printed[benchmark]), \
+        printed[benchmark]
