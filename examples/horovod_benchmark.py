@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-import mpidp.horovod as hvd  # mpidp: was `import horovod.torch as hvd`, the only change
+import mpidp.horovod as hvd  # mpidp: where a Horovod script imports horovod.torch as hvd
 
 
 def small_cnn(classes: int) -> nn.Module:

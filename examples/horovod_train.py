@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-import mpidp.horovod as hvd  # mpidp: was `import horovod.torch as hvd`, the only change
+import mpidp.horovod as hvd  # mpidp: where a Horovod script imports horovod.torch as hvd
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:

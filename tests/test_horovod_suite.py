@@ -105,30 +105,3 @@ def test_horovods_own_torch_suite_passes_at_2_ranks(tmp_path):
     wrong = {name: got for name, got in outcomes.items()
              if got != [expected_outcome(name)] * 2}
     assert not wrong, wrong
-
-
-def test_horovods_own_examples_run_unchanged_at_2_ranks(tmp_path):
-    """pytorch_mnist.py and pytorch_synthetic_benchmark.py, short, one after the other in one
-    launch (tests/mpi/run_scripts.py): the MNIST example learns the stand-in digits, the
-    benchmark prints its total. HOME is a temporary folder: the MNIST example takes a file
-    lock in ``~``."""
-    if not EXAMPLES.is_dir():
-        pytest.skip(f"Horovod's examples are not at {EXAMPLES} (set HOROVOD_SUITE)")
-    mnist = shlex.join([str(EXAMPLES / "pytorch_mnist.py"), "--epochs", "2", "--batch-size", "32",
-                        "--lr", "0.05", "--log-interval", "100", "--data-dir", str(tmp_path)])
-    benchmark = shlex.join([str(EXAMPLES / "pytorch_synthetic_benchmark.py"), "--batch-size", "4",
-                            "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
-                            "--num-iters", "2"])
-    out = launch.run(2, ["tests/mpi/run_scripts.py", mnist, benchmark], timeout=240,
-                     env=shim_env(HOME=str(tmp_path))).stdout
-    sys.path.insert(0, str(launch.ROOT / "tests" / "mpi"))
-    import run_scripts
-    sys.path.pop(0)
-    printed = run_scripts.sections(out)
-    tests = re.findall(r"Test set: Average loss: ([\d.]+), Accuracy: ([\d.]+)%", printed[mnist])
-    assert len(tests) == 2, printed[mnist][-3000:]  # rank 0 tests after each epoch
-    (first_loss, _), (loss, accuracy) = [(float(a), float(b)) for a, b in tests]
-    assert loss < first_loss and accuracy > 50, printed[mnist][-3000:]  # chance: 10 %
-    assert "Model: resnet50\nBatch size: 4\nNumber of CPUs: 2" in printed[benchmark]
-    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", printed[benchmark]), \
-        printed[benchmark]

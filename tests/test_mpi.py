@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import launch
+import test_horovod_suite as hvd_suite
 
 # (file, world sizes); 4 ranks run oversubscribed on a 2-core machine.
 MPI_FILES = [
@@ -509,12 +511,24 @@ TWO_RANK_EXAMPLES = [*(f"examples/{script}" + (" --samples 1024" if "scaling" in
                        for script in sorted(LAB)),
                      "examples/train.py --epochs 2", f"examples/{HOROVOD_BENCHMARK}",
                      "examples/torch_fsdp.py --steps 30"]
+# Horovod's own two examples, unchanged, from ../shared (test_horovod_suite.py), short: with the
+# shim first on PYTHONPATH (`horovod.torch` is mpidp.horovod, `torchvision` a stand-in)
+HOROVOD_MNIST = shlex.join([str(hvd_suite.EXAMPLES / "pytorch_mnist.py"), "--epochs", "2",
+                            "--batch-size", "32", "--lr", "0.05", "--log-interval", "100"])
+HOROVOD_SYNTHETIC = shlex.join([str(hvd_suite.EXAMPLES / "pytorch_synthetic_benchmark.py"),
+                                "--batch-size", "4", "--num-warmup-batches", "1",
+                                "--num-batches-per-iter", "1", "--num-iters", "2"])
 
 
 @pytest.fixture(scope="module")
-def two_rank_examples() -> tuple[str, dict[str, str]]:
-    """(the launch's whole stdout, what rank 0 printed for each command)."""
-    out = launch.run(2, ["tests/mpi/run_scripts.py", *TWO_RANK_EXAMPLES], timeout=400).stdout
+def two_rank_examples(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """(the launch's whole stdout, what rank 0 printed for each command). HOME is a temporary
+    folder: Horovod's MNIST example takes a file lock in ``~`` and writes its data there."""
+    home = tmp_path_factory.mktemp("home")
+    horovods = [f"{HOROVOD_MNIST} --data-dir {home}", HOROVOD_SYNTHETIC] \
+        if hvd_suite.EXAMPLES.is_dir() else []
+    out = launch.run(2, ["tests/mpi/run_scripts.py", *TWO_RANK_EXAMPLES, *horovods], timeout=400,
+                     env=hvd_suite.shim_env(HOME=str(home))).stdout
     sys.path.insert(0, str(launch.ROOT / "tests" / "mpi"))
     import run_scripts
     sys.path.pop(0)
@@ -550,6 +564,21 @@ def test_torch_fsdp_example_equals_one_process(two_rank_examples):
     out = two_rank_examples[1]["examples/torch_fsdp.py --steps 30"]
     assert "step  29: loss" in out
     assert "2 ranks vs one process: max relative parameter difference" in out
+
+
+def test_horovods_own_examples_run_unchanged_at_2_ranks(two_rank_examples):
+    """pytorch_mnist.py learns the stand-in digits; pytorch_synthetic_benchmark.py prints its total."""
+    if not hvd_suite.EXAMPLES.is_dir():
+        pytest.skip(f"Horovod's examples are not at {hvd_suite.EXAMPLES} (set HOROVOD_SUITE)")
+    printed = two_rank_examples[1]
+    mnist = next(printed[command] for command in printed if command.startswith(HOROVOD_MNIST))
+    tests = re.findall(r"Test set: Average loss: ([\d.]+), Accuracy: ([\d.]+)%", mnist)
+    assert len(tests) == 2, mnist[-3000:]  # rank 0 tests after each epoch
+    (first_loss, _), (loss, accuracy) = [(float(a), float(b)) for a, b in tests]
+    assert loss < first_loss and accuracy > 50, mnist[-3000:]  # chance: 10 %
+    benchmark = printed[HOROVOD_SYNTHETIC]
+    assert "Model: resnet50\nBatch size: 4\nNumber of CPUs: 2" in benchmark
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", benchmark), benchmark
 
 
 @pytest.fixture(scope="module")
