@@ -602,6 +602,16 @@ def test_names_match_across_ranks():
         else:
             hvd.barrier()
     hvd.barrier()  # the set goes on
+    # hvd.shutdown() drops what still waits for the other ranks (Horovod fails its queue)
+    if rank == 0:
+        dropped = hvd.allreduce_async(mine, name="dropped")
+    hvd.barrier()
+    hvd.shutdown()
+    hvd.init()
+    if rank == 0:
+        with pytest.raises(ValueError, match="is not a pending operation"):
+            hvd.synchronize(dropped)
+    torch.testing.assert_close(hvd.allreduce(mine, name="dropped", op=hvd.Sum), total)
 
 
 def test_not_initialized_error():
