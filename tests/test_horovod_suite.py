@@ -10,8 +10,7 @@ failure ends the launch at once instead of leaving the other ranks waiting.
 
 Expected: every test real Horovod passes on CPU passes on every rank; the tests that
 need a GPU or Horovod's gloo controller skip (they are the suite's own skips); the
-three that fail on real Horovod too (torch 2.13's Muon) are deselected; the four
-duplicate-name tests fail (KNOWN_FAILING: they need Horovod's matching by name).
+three that fail on real Horovod too (torch 2.13's Muon) are deselected.
 docs/horovod.md lists them with their reasons.
 
 Horovod's two PyTorch examples (``examples/pytorch`` there) run unchanged too, in one
@@ -43,14 +42,9 @@ TESTS = 115  # TorchTests' tests in Horovod 0.28.1
 # Iterating over every torch optimizer, they reach torch 2.13's Muon, which rejects the
 # models' 1-D parameters (biases) when constructed: they fail on real Horovod too.
 MUON = ["test_broadcast_state", "test_broadcast_state_options", "test_force_allreduce"]
-# Each starts a named async collective on rank 0 alone and then calls hvd.barrier() while
-# rank 1 does the reverse: Horovod matches collectives by name in its background thread,
-# mpidp.horovod by position on the calling thread, so the barrier meets the other rank's
-# collective and both raise HorovodInternalError (no hang). docs/horovod.md says more.
-KNOWN_FAILING = ["test_horovod_allreduce_duplicate_name_error",
-                 "test_horovod_allgather_duplicate_name_error",
-                 "test_horovod_broadcast_duplicate_name_error",
-                 "test_horovod_reducescatter_duplicate_name_error"]
+# None since mpidp.horovod matches named operations by name, as Horovod's controller
+# (mpidp/horovod/names.py): the *_duplicate_name_error tests pass.
+KNOWN_FAILING: list[str] = []
 # Skipped by the suite itself: without a GPU (HOROVOD_TEST_GPU=1 fails the first instead) ...
 NEED_GPU = ["test_gpu_required", "test_horovod_allreduce_multi_gpu",
             "test_horovod_allreduce_cpu_gpu_error", "test_horovod_grouped_allreduce_cpu_gpu_error",

@@ -73,9 +73,14 @@ def join(device: int = -1) -> int:
                 process_set, _requests.JOIN, joined=True, new=first))
         first = False
         message = control.wait("join")
-        if not message.active:
+        if not message.active and not message.waiting:
             return max(message.new)
-        if message.disputed:  # the active ranks' calls differ: they raise, this rank waits on
+        if message.problem:  # a rank's arguments failed: the active ranks raise, this one waits
             _requests.dispute(process_set, message.kind, None)
             continue
+        if message.exchange:  # the calls differ, or a rank waits for a name (names.py)
+            with process_set.lock:
+                verdict = _requests.exchange(process_set, message, message.kind, joined=True)
+            if not verdict.agreed:
+                continue
         _serve(message, process_set, where)

@@ -20,9 +20,21 @@ equal), a flag for a rank whose arguments failed, and two masks of ranks for
 raises the same error: Horovod's ``HorovodInternalError`` (a ``RuntimeError``), or on a
 rank whose own arguments failed, that error's type. A collective's start therefore
 waits for every rank of its set to start it (as a blocking MPI call would); its data
-then run nonblocking. As in Horovod, a name given to a collective while an earlier
-one of this rank with that name is still pending on the set is refused on this rank
-alone, before anything is sent (``ValueError``).
+then run nonblocking.
+
+**Names.** As Horovod's controller, named operations meet by name, not by position
+(``names``): where the ranks' calls differ, a named call is deferred on its rank
+(kept in the set's queue, its handle returned) and the control messages that follow
+carry a flag, then an exchange of every rank's queue, until every rank of the set
+submitted that name; then every rank starts it, in the same order. ``synchronize``
+of a deferred operation sends control messages as a waiting rank (no call of its
+own) until it starts; ``poll`` sends nothing and answers False until then. Where no
+rank can go on (each waits for a name the others never submitted, or is in a call
+the others are not in), every rank raises ``HorovodInternalError``: Horovod stalls
+there. As in Horovod, a name given to a collective while an earlier one of this rank
+with that name is pending on the set (submitted, and not started before the set's
+last control message, nor synchronized) is refused on this rank alone, before
+anything is sent (``ValueError``); another process set's names are its own.
 
 **join.** ``hvd.join()`` lets a rank that ran out of data keep serving the
 other ranks' collectives of the global set, with zeros: a joined rank adds
@@ -50,6 +62,7 @@ from .. import recorder as _recorder
 from ..comm.handle import issue, wait_request
 from ..comm import agreement as _agreement
 from ..comm.dtypes import _DTYPES
+from . import names as _names
 from . import state as _state
 from . import process_sets as _sets
 
@@ -96,10 +109,13 @@ class Descriptor:
         self.root = root - 1
         self.shape = tuple(int(d) for d in head[8:8 + ndim - 1]) if 0 < ndim <= _MAX_DIMS + 1 \
             else None
+        self.problem = self.active and bool(head[7])
         masks = words[2 * _HEAD:]
-        width = len(masks) // 2
-        self.joined = _ranks_of(masks[:width], size)
-        self.new = _ranks_of(masks[width:], size)
+        width = len(masks) // 4
+        self.joined, self.new, self.waiting, self.pending = (
+            _ranks_of(masks[k * width:(k + 1) * width], size) for k in range(4))
+        # the ranks must compare their queues of named operations (names.py)
+        self.exchange = not self.problem and bool(self.disputed or self.waiting or self.pending)
 
 
 def _ranks_of(mask: np.ndarray, size: int) -> list[int]:
@@ -112,19 +128,22 @@ def _hash(text) -> int:
 
 def control_message(process_set: _sets.ProcessSet, kind: int, *, dtype=None, op: str | None = None,
                     root: int = -1, shape=None, name=None, detail=None, problem: bool = False,
-                    joined: bool = False, new: bool = False) -> np.ndarray:
+                    joined: bool = False, new: bool = False, waiting: bool = False,
+                    pending: bool = False) -> np.ndarray:
     """This rank's contribution to the set's next control message.
 
     Args:
         detail: what else must match on every rank (Horovod's op, the scale factors).
         problem: this rank's arguments failed: every rank raises.
         joined, new: this rank is in ``join`` (its description stays 0), entered it now.
+        waiting: this rank waits for a deferred operation (its description stays 0).
+        pending: this rank has deferred operations on the set.
     """
     comm = process_set.control
     size, rank = comm.Get_size(), comm.Get_rank()
     width = -(-size // _BITS)
-    words = np.zeros(2 * _HEAD + 2 * width, dtype=np.int64)
-    if not joined:
+    words = np.zeros(2 * _HEAD + 4 * width, dtype=np.int64)
+    if not (joined or waiting):
         head = words[:_HEAD]
         if problem:
             head[:] = (kind, *[0] * 6, 1, *[0] * _MAX_DIMS)
@@ -140,8 +159,9 @@ def control_message(process_set: _sets.ProcessSet, kind: int, *, dtype=None, op:
         words[_HEAD:2 * _HEAD] = ~head
     if joined:
         words[2 * _HEAD + rank // _BITS] |= 1 << (rank % _BITS)
-    if new:
-        words[2 * _HEAD + width + rank // _BITS] |= 1 << (rank % _BITS)
+    for k, flag in enumerate((new, waiting, pending), start=1):
+        if flag:
+            words[2 * _HEAD + k * width + rank // _BITS] |= 1 << (rank % _BITS)
     return words
 
 
@@ -150,6 +170,7 @@ class Control:
 
     def __init__(self, process_set: _sets.ProcessSet, words: np.ndarray):
         self.words, self.size = words, process_set.control.Get_size()
+        _rounds[process_set] = _rounds.get(process_set, 0) + 1
         self.ticket = _recorder.started(process_set.control, "hvd control", words.size, "int64")
         self.request = issue(process_set.control, "Allreduce",
                              (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.BOR), "hvd control message")
@@ -180,10 +201,10 @@ def describe(kind: int, *, dtype=None, op=None, root: int = -1, shape=None, name
 
 def dispute(process_set: _sets.ProcessSet, kind: int, mine: str | None,
             problem: BaseException | None = None) -> BaseException:
-    """The error every rank of the set raises when their calls differ or failed somewhere.
+    """The error every rank of the set raises when a rank's arguments failed.
 
-    Collective over the set (joined ranks take part with ``mine`` None). When every
-    rank failed alike, the error is the local one, with its type.
+    Collective over the set (joined and waiting ranks take part with ``mine`` None).
+    When every rank failed alike, the error is the local one, with its type.
     """
     entries = _agreement.watched_allgather(
         process_set.control, (str(problem) if problem is not None else None, mine),
@@ -192,15 +213,52 @@ def dispute(process_set: _sets.ProcessSet, kind: int, mine: str | None,
     if problem is not None and len(problems) == len(entries) and len(set(problems)) == 1:
         return problem
     what = [f"error: {p}" if p is not None else m for p, m in entries]
-    return _error_like(problem, (
-        f"hvd.{KIND_NAMES[kind]}: every rank of the process set must make the same call "
-        f"(dtype, shape, op, root_rank, name) with valid arguments, in the same order (from "
-        f"one thread, or threads taking turns in a fixed order), got {_agreement.by_rank(what)}"))
+    return _error_like(problem, _names.differ_message(KIND_NAMES[kind], what))
+
+
+# Each set's named operations of this rank that wait for the other ranks' (names.py), in
+# submission order; changed under the set's lock, in an exchange every rank runs alike.
+_deferred: dict = {}
+_rounds: dict = {}  # control messages sent on each set (under its lock): _pending_named
+
+
+def exchange(process_set: _sets.ProcessSet, message: Descriptor, kind: int, *, call=None,
+             request=None, waiting=None, joined: bool = False) -> _names.Verdict:
+    """Compare the ranks' queues of named operations; start those every rank submitted.
+
+    Collective over the set after a control message with ``exchange`` set, under the
+    set's lock; every rank gets the same verdict (``names.judge``). ``call``: this
+    rank's call (``describe``); ``request``: its ``Request`` if named (deferred if the
+    calls differ); ``waiting``: the deferred operation this rank waits for.
+    """
+    queue = _deferred.setdefault(process_set, [])
+    record = _names.Record(call, request.name if request is not None else None, waiting, joined,
+                           tuple((r.name, r.description) for r in queue))
+    records = _agreement.watched_allgather(process_set.control, record,
+                                           f"hvd {KIND_NAMES[kind]} (names)")
+    verdict = _names.judge(records, not message.disputed and not message.waiting,
+                           KIND_NAMES[kind])
+    if process_set.control.Get_rank() in verdict.deferred:
+        queue.append(request)
+    mine = dict(zip(_names.keyed((r.name, r.description) for r in queue), queue))
+    for key, error in verdict.matched:
+        matched = mine[key]
+        queue.remove(matched)
+        if error is not None:
+            matched.error = HorovodInternalError(error)
+        else:
+            matched.launch(True)
+    return verdict
 
 
 def negotiate(process_set: _sets.ProcessSet, kind: int, problem: BaseException | None = None,
-              **fields) -> Descriptor:
+              request: Request | None = None, **fields) -> Descriptor | None:
     """Agree with the set's other ranks on this call, or raise the same error on all of them.
+
+    Under the set's lock. Where the ranks' calls differ, a named call (``request``) is
+    deferred (None returned: it starts once every rank submitted its name, see
+    ``names``), a call without a name waits for the next control message, and where no
+    rank can go on, every rank raises.
 
     Args:
         problem: this rank's arguments failed with it.
@@ -208,21 +266,53 @@ def negotiate(process_set: _sets.ProcessSet, kind: int, problem: BaseException |
     """
     if problem is None:
         try:
-            words = control_message(process_set, kind, **fields)
+            control_message(process_set, kind, **fields)
         except ValueError as error:
             problem = error
-    if problem is not None:
-        words = control_message(process_set, kind, problem=True)
-    message = Control(process_set, words).wait(KIND_NAMES[kind])
-    if message.disputed:
-        error = dispute(process_set, kind, None if problem else describe(kind, **fields), problem)
-        if error is problem:
-            raise error
-        raise error from problem
-    if message.joined and process_set is _sets.global_process_set and kind in REFUSED_IN_JOIN:
-        raise joined_error(kind, message.joined)
-    return message
+    call = None if problem else describe(kind, **fields)
+    if request is not None:
+        request.description = call
+    while True:
+        pending = bool(_deferred.get(process_set))
+        words = control_message(process_set, kind, problem=True, pending=pending) \
+            if problem is not None else control_message(process_set, kind, pending=pending,
+                                                        **fields)
+        message = Control(process_set, words).wait(KIND_NAMES[kind])
+        if message.problem:
+            error = dispute(process_set, kind, call, problem)
+            if error is problem:
+                raise error
+            raise error from problem
+        if message.exchange:
+            verdict = exchange(process_set, message, kind, call=call, request=request)
+            if verdict.stuck is not None:
+                raise HorovodInternalError(verdict.stuck)
+            if not verdict.agreed:
+                if process_set.control.Get_rank() in verdict.deferred:
+                    return None
+                continue
+        if message.joined and process_set is _sets.global_process_set and kind in REFUSED_IN_JOIN:
+            raise joined_error(kind, message.joined)
+        return message
 
+
+def wait_named(request: Request) -> None:
+    """Send control messages as a waiting rank until ``request`` (deferred) starts or fails."""
+    process_set = request.process_set
+    while not request.launched and request.error is None:
+        with process_set.lock:
+            if request.launched or request.error is not None:
+                break
+            message = Control(process_set, control_message(
+                process_set, request.kind, waiting=True, pending=True)).wait(
+                KIND_NAMES[request.kind])
+            if message.problem:
+                dispute(process_set, message.kind, None)
+                continue
+            verdict = exchange(process_set, message, request.kind, waiting=request.description)
+            if verdict.stuck is not None and not request.launched:
+                _deferred[process_set].remove(request)  # as on every rank that waits
+                raise HorovodInternalError(verdict.stuck)
 
 def refuse(process_set: _sets.ProcessSet, kind: int, problem: BaseException):
     """Raise ``problem`` here and an error that names it on the set's other ranks (collective)."""
@@ -248,20 +338,41 @@ def checking(process_set: _sets.ProcessSet, kind: int):
 class Request:
     """A started collective: its ``mpidp.comm.Handle``s and what finishes it."""
 
-    __slots__ = ("handles", "finish", "keep", "kind", "name", "process_set", "started", "nbytes")
+    __slots__ = ("handles", "finish", "keep", "kind", "name", "process_set", "started", "nbytes",
+                 "start", "launched", "round", "description", "error")
 
-    def __init__(self, handles, finish, keep, kind, name, process_set, nbytes):
+    def __init__(self, handles, finish, keep, kind, name, process_set, nbytes, start=None):
+        """``start(own)`` starts a negotiated request (``own``: no rank serves it from
+        ``join``); without it, ``handles`` are started already."""
         self.handles, self.finish, self.keep = handles, finish, keep
         self.kind, self.name, self.process_set, self.nbytes = kind, name, process_set, nbytes
+        self.start, self.launched, self.round = start, start is None, 0
+        self.description, self.error = None, None
         timeline = _state._state.timeline
         self.started = timeline.now() if timeline is not None else None
 
+    def launch(self, own: bool) -> None:
+        """Start the data collectives, negotiated on every rank (under the set's lock)."""
+        self.handles = self.start(own)
+        self.launched, self.round = True, _rounds.get(self.process_set, 0)
+
+    def taken(self) -> bool:
+        """Its name is still pending: not started, or started since the set's last round."""
+        if self.start is None:  # a group: its parts
+            return any(isinstance(p, Request) and p.taken() for p in self.handles)
+        return not self.launched or self.round == _rounds.get(self.process_set, 0)
+
     def done(self) -> bool:
-        return all(h.is_completed() for h in self.handles)
+        return self.error is not None or self.launched and all(
+            h.is_completed() for h in self.handles)
 
     is_completed = done  # a grouped request's parts are Requests too
 
     def wait(self):
+        if not self.launched:
+            wait_named(self)
+        if self.error is not None:
+            raise self.error
         for handle in self.handles:
             handle.wait()
         result = self.finish()
@@ -303,17 +414,23 @@ def begin(process_set: _sets.ProcessSet, kind: int, launch, finish, keep=(), *, 
     """
     if name is not None and _pending_named(process_set, name):
         raise ValueError(f"hvd.{KIND_NAMES[kind]}: name {name!r} is the name of an operation of "
-                         f"this rank still pending on {process_set} (not synchronized yet); as "
-                         f"in Horovod, each pending operation needs its own name")
+                         f"this rank still pending on {process_set} (submitted, and not started "
+                         f"before the set's last collective call, nor synchronized); as in "
+                         f"Horovod, each pending operation needs its own name")
+    request = Request([], finish, keep, kind, name, process_set, nbytes,
+                      lambda own: direct() if direct is not None and own else launch())
     with process_set.lock:
-        message = negotiate(process_set, kind, name=name, **fields)
-        handles = direct() if direct is not None and not message.joined else launch()
-    return Request(handles, finish, keep, kind, name, process_set, nbytes)
+        message = negotiate(process_set, kind, request=request if name is not None else None,
+                            name=name, **fields)
+        if message is not None:
+            request.launch(not message.joined)
+    return request
 
 
 def _pending_named(process_set: _sets.ProcessSet, name) -> bool:
     with _table_lock:
-        return any(r.name == name and r.process_set is process_set for r in _table.values())
+        return any(r.name == name and r.process_set is process_set and r.taken()
+                   for r in _table.values())
 
 
 def register(request: Request) -> int:
@@ -348,12 +465,29 @@ def synchronize(handle: int):
 
 
 def _forget_all() -> None:
-    """Wait for every pending operation, then forget them (``hvd.shutdown``)."""
+    """Wait for every started operation, then forget them all (``hvd.shutdown``).
+
+    An operation still deferred (no other rank submitted its name) is dropped on this
+    rank alone, as Horovod's shutdown fails what its queue holds: no control message.
+    """
     with _table_lock:
         pending = list(_table.values())
         _table.clear()
+    for queue in _deferred.values():
+        for request in queue:
+            request.error = _Dropped(f"hvd.shutdown() before every rank submitted the "
+                                     f"operation {request.description}")
+    _deferred.clear()
+    _rounds.clear()
     for request in pending:
-        request.wait()
+        try:
+            request.wait()
+        except _Dropped:  # the request, or a part of its group
+            pass
+
+
+class _Dropped(HorovodInternalError):
+    """A deferred operation that ``hvd.shutdown()`` dropped."""
 
 
 _state.on_shutdown(_forget_all)

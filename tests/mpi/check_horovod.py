@@ -527,6 +527,93 @@ def test_misuse_raises_a_clear_error_on_every_rank():
         torch.testing.assert_close(embedding.weight.grad.to_dense(), expected)
 
 
+def test_names_match_across_ranks():
+    """Horovod's controller starts a named operation once every rank of its set submitted it."""
+    rank, size = hvd.rank(), hvd.size()
+    values = rank_values((17,))
+    mine, total = values[rank], sum(values)
+    # Horovod's own *_duplicate_name_error pattern: rank 0 submits first, the others after a
+    # barrier; a second submission of a pending name is refused on its rank alone
+    handles = []
+    for turn in (rank == 0, rank > 0):
+        if turn:
+            handles.append(hvd.allreduce_async(mine, name="dup", op=hvd.Sum))
+            with pytest.raises(ValueError, match="name 'dup' is the name of an operation"):
+                hvd.allreduce_async(mine, name="dup", op=hvd.Sum)
+        hvd.barrier()
+    torch.testing.assert_close(hvd.synchronize(handles[0]), total)
+    # the same with a group (one operation per tensor, under one name)
+    for turn in (rank == 0, rank > 0):
+        if turn:
+            group = hvd.grouped_allgather_async([mine, 2 * mine], name="group")
+            with pytest.raises(ValueError, match="name 'group' is the name of an operation"):
+                hvd.grouped_allgather_async([mine], name="group")
+        hvd.barrier()
+    assert [g.tolist() for g in hvd.synchronize(group)] == \
+        [torch.cat(values).tolist(), torch.cat(values).mul(2).tolist()]
+    # a name pending twice on rank 0 and once elsewhere: the second is refused on rank 0
+    # alone (nothing sent), the first meets the other ranks' one; nothing waits
+    handle = hvd.allreduce_async(mine, name="once", op=hvd.Sum)
+    if rank == 0:
+        with pytest.raises(ValueError, match="name 'once' is the name of an operation"):
+            hvd.allreduce_async(mine, name="once", op=hvd.Sum)
+    torch.testing.assert_close(hvd.synchronize(handle), total)
+    # a name is free again once synchronized, or after the set's next call once started
+    for _ in range(2):
+        torch.testing.assert_close(hvd.synchronize(
+            hvd.allreduce_async(mine, name="again", op=hvd.Sum)), total)
+    first = hvd.allgather_async(mine, name="again")
+    hvd.barrier()
+    second = hvd.allgather_async(mine, name="again")
+    assert torch.equal(hvd.synchronize(first), hvd.synchronize(second))
+    # the same names in another order on odd ranks: each meets its own name
+    order = ["a", "b"] if rank % 2 == 0 else ["b", "a"]
+    got = {name: hvd.allreduce_async(mine * (1 + (name == "b")), name=name, op=hvd.Sum)
+           for name in order}
+    torch.testing.assert_close(hvd.synchronize(got["a"]), total)
+    torch.testing.assert_close(hvd.synchronize(got["b"]), 2 * total)
+    # one name under two process sets at once: allowed, as Horovod's queues are per set
+    members = [0, 1] if size > 2 else [0]  # [0, 1] at 2 ranks is the global set
+    subset = hvd.add_process_set(hvd.ProcessSet(members))
+    try:
+        here = hvd.allreduce_async(mine, name="both", op=hvd.Sum)
+        if rank in members:
+            torch.testing.assert_close(hvd.allreduce(mine, name="both", op=hvd.Sum,
+                                                     process_set=subset),
+                                       sum(values[r] for r in members))
+        torch.testing.assert_close(hvd.synchronize(here), total)
+    finally:
+        hvd.remove_process_set(subset)
+    # operations of one name that differ fail at synchronize, on every rank
+    if rank == 0:
+        handle = hvd.allreduce_async(torch.ones(2), name="m")
+    hvd.barrier()
+    if rank > 0:
+        handle = hvd.allreduce_async(torch.ones(3), name="m")
+    with pytest.raises(hvd.HorovodInternalError, match=r"operations named 'm' differ .* "
+                       r"rank 0: allreduce float32 shape \(2,\).*; ranks? 1.*shape \(3,\)"):
+        hvd.synchronize(handle)
+    # a rank waiting for a name no other rank submitted, against a call that cannot go on:
+    # an error on every rank, not a hang (Horovod stalls there)
+    with pytest.raises(hvd.HorovodInternalError, match=r"rank 0: allreduce .* name 'lone' "
+                       r"\(synchronize; not submitted on every rank\); ranks? 1.*: barrier"):
+        if rank == 0:
+            hvd.allreduce(mine, name="lone")
+        else:
+            hvd.barrier()
+    hvd.barrier()  # the set goes on
+    # hvd.shutdown() drops what still waits for the other ranks (Horovod fails its queue)
+    if rank == 0:
+        dropped = hvd.allreduce_async(mine, name="dropped")
+    hvd.barrier()
+    hvd.shutdown()
+    hvd.init()
+    if rank == 0:
+        with pytest.raises(ValueError, match="is not a pending operation"):
+            hvd.synchronize(dropped)
+    torch.testing.assert_close(hvd.allreduce(mine, name="dropped", op=hvd.Sum), total)
+
+
 def test_not_initialized_error():
     hvd.shutdown()
     try:
