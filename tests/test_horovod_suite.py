@@ -13,8 +13,8 @@ need a GPU or Horovod's gloo controller skip (they are the suite's own skips); t
 three that fail on real Horovod too (torch 2.13's Muon) are deselected.
 docs/horovod.md lists them with their reasons.
 
-Horovod's two PyTorch examples (``examples/pytorch`` there) run unchanged too, in one
-2-rank job: they import torchvision, which has no CPU build for this torch, and get
+Horovod's two PyTorch examples (``examples/pytorch`` there) run unchanged too, in the
+launch of the 2-rank examples (tests/test_mpi.py): they import torchvision, which has no CPU build for this torch, and get
 the test-only stand-in ``tests/horovod_shim/torchvision`` (synthetic MNIST, three
 transforms, a small CNN under torchvision's model names).
 """
@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
-import sys
 from pathlib import Path
 
 import pytest

@@ -384,7 +384,7 @@ def test_watchdog_names_ddp_bucket_while_a_rank_is_in_user_code(nprocs, sleeper,
     call = ("shared-memory allreduce op=sum dtype=float32 count=" if shm == "1" else
             "iallreduce op=sum dtype=float32 count=" if overlap == "nonblocking" else
             "allreduce op=sum dtype=float32 count=")
-    assert groups[_rank_names(waiting)].startswith(f"waiting in DDP step 3 bucket 1/")
+    assert groups[_rank_names(waiting)].startswith("waiting in DDP step 3 bucket 1/")
     assert f"): {call}" in groups[_rank_names(waiting)]
     assert "loss.backward()" in _source_of(groups[_rank_names(waiting)])
     idle = groups[f"rank {sleeper}"]
@@ -455,7 +455,7 @@ def test_a_launcher_that_ends_the_job_leaves_every_ranks_stacks_and_record(tmp_p
     assert job.returncode != 0, output
     for rank in range(2):
         stacks = (tmp_path / f"rank-{rank:05d}.stacks.txt").read_text()
-        assert f'tests/mpi/stall.py", line' in stacks and " in train" in stacks, stacks
+        assert 'tests/mpi/stall.py", line' in stacks and " in train" in stacks, stacks
     assert "in _fence" in (tmp_path / "rank-00000.stacks.txt").read_text() or \
         "in _start" in (tmp_path / "rank-00000.stacks.txt").read_text()
     status, trace = _trace(tmp_path)
