@@ -1,5 +1,6 @@
 """Run the MPI test files, the abort check and the examples under a real mpiexec."""
 
+import importlib.util
 import os
 import re
 import shlex
@@ -527,21 +528,30 @@ def two_rank_examples(tmp_path_factory) -> tuple[str, dict[str, str]]:
     home = tmp_path_factory.mktemp("home")
     horovods = [f"{HOROVOD_MNIST} --data-dir {home}", HOROVOD_SYNTHETIC] \
         if hvd_suite.EXAMPLES.is_dir() else []
-    out = launch.run(2, ["tests/mpi/run_scripts.py", *TWO_RANK_EXAMPLES, *horovods], timeout=400,
+    # the Trainer last: it leaves Accelerate's state behind (so accelerate_train.py runs alone)
+    trainer = [TRAINER] if importlib.util.find_spec("transformers") else []
+    out = launch.run(2, ["tests/mpi/run_scripts.py", *TWO_RANK_EXAMPLES, *horovods, *trainer],
+                     timeout=400,
                      env=hvd_suite.shim_env(HOME=str(home))).stdout
+    return out, _sections(out)
+
+
+def _sections(output: str) -> dict[str, str]:
+    """What rank 0 printed for each command of a tests/mpi/run_scripts.py launch."""
     sys.path.insert(0, str(launch.ROOT / "tests" / "mpi"))
     import run_scripts
     sys.path.pop(0)
-    return out, run_scripts.sections(out)
+    return run_scripts.sections(output)
 
 
 def test_main_example_trains_on_two_ranks(two_rank_examples):
     assert "final train loss" in two_rank_examples[1]["examples/train.py --epochs 2"]
 
 
+TRAINER = "examples/trainer_train.py --steps 4"  # in two_rank_examples' launch
 FRAMEWORK_EXAMPLES = {  # script and arguments -> what its last lines say
     "accelerate_train.py --epochs 1": "2 processes, backend mpidp",
-    "trainer_train.py --steps 4": "2 processes, backend mpidp: mean training loss",
+    TRAINER.removeprefix("examples/"): "2 processes, backend mpidp: mean training loss",
     HOROVOD_BENCHMARK: "img/sec on 2 ranks (per rank: ",
 }
 
@@ -549,11 +559,13 @@ FRAMEWORK_EXAMPLES = {  # script and arguments -> what its last lines say
 @pytest.mark.parametrize("command", sorted(FRAMEWORK_EXAMPLES), ids=lambda c: c.split()[0])
 def test_framework_example_runs_on_two_ranks(command, request):
     """The examples of docs/launch.md and docs/horovod.md run as the docs show them (short)."""
-    if command == HOROVOD_BENCHMARK:
+    if command != HOROVOD_BENCHMARK:
+        framework = "accelerate" if "accelerate" in command else "transformers"
+        if importlib.util.find_spec(framework) is None:  # not imported here: only the ranks need it
+            pytest.skip(f"needs the frameworks extra ({framework})")
+    if f"examples/{command}" in (f"examples/{HOROVOD_BENCHMARK}", TRAINER):
         out = request.getfixturevalue("two_rank_examples")[1][f"examples/{command}"]
     else:
-        pytest.importorskip("accelerate" if "accelerate" in command else "transformers",
-                            reason="needs the frameworks extra")
         script, *args = command.split()
         out = launch.run(2, [f"examples/{script}", *args], timeout=240).stdout
     assert FRAMEWORK_EXAMPLES[command] in out, out[-3000:]
@@ -651,16 +663,16 @@ def test_digits_example_reports_metrics_and_resumes_identically(tmp_path):
     # the first part of the resumed one only the momentum (stage 1), whose
     # consolidated checkpoint holds a plain SGD state, and the resumed part
     # trains plain: all three must give the same numbers.
-    straight = launch.run(2, ["examples/train_digits.py", "--epochs", "3", "--zero", "2"],
-                          timeout=180).stdout
     checkpoint = tmp_path / "ck.pt"
-    first = launch.run(2, ["examples/train_digits.py", "--epochs", "2", "--checkpoint", str(checkpoint),
-                           "--resume", "--zero", "1"], timeout=180)  # no checkpoint yet: starts afresh
-    assert first.stdout.startswith(f"no checkpoint at {checkpoint} yet: starting from epoch 0\nepoch 0:")
-    assert first.stderr.count("\r") <= 4  # stderr is no terminal: no stream of bar updates
+    commands = ["examples/train_digits.py --epochs 3 --zero 2",
+                # no checkpoint yet: starts afresh
+                f"examples/train_digits.py --epochs 2 --checkpoint {checkpoint} --resume --zero 1",
+                f"examples/train_digits.py --epochs 3 --checkpoint {checkpoint} --resume"]
+    done = launch.run(2, ["tests/mpi/run_scripts.py", *commands], timeout=300)  # one after another
+    straight, first, resumed = (_sections(done.stdout)[command] for command in commands)
+    assert first.startswith(f"no checkpoint at {checkpoint} yet: starting from epoch 0\nepoch 0:")
+    assert done.stderr.count("\r") <= 3 * 4  # stderr is no terminal: no stream of bar updates
     assert checkpoint.exists() and not checkpoint.with_name("ck.pt.partial").exists()
-    resumed = launch.run(2, ["examples/train_digits.py", "--epochs", "3", "--checkpoint",
-                             str(checkpoint), "--resume"], timeout=180).stdout
     assert "epoch 2: train loss" in straight and "validation loss" in straight
     assert "(297 samples, 2 ranks)" in straight  # every validation sample counted once
     assert resumed.startswith("epoch 2:")  # epochs 0 and 1 came from the checkpoint

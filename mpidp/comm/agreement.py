@@ -22,8 +22,9 @@ from .. import watchdog as _watchdog
 from .handle import collective
 from .pool import _collective_comm
 
-__all__ = ["agree", "agree_facts", "any_failed", "by_rank", "decide", "raise_gathered",
-           "raise_together", "survivors_agree", "watched_allgather"]
+__all__ = ["agree", "agree_facts", "all_equal", "any_failed", "by_rank", "decide", "decide_rows",
+           "extremes", "gather_rows", "raise_gathered", "raise_together", "survivors_agree",
+           "watched_allgather"]
 
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
@@ -124,12 +125,52 @@ def agree_facts(comm, facts: list[int], problem: bool, describe, what: str, labe
     communicator a pool would hand the next collective (all ranks take the
     same one); the descriptions travel only when something differs.
     """
-    facts = [*facts, int(problem)]
-    both = np.array(facts + [-fact for fact in facts], dtype=np.int64)
+    both = extremes([*facts, int(problem)])
     base = _collective_comm(comm)
     collective(base, "Allreduce", (MPI.IN_PLACE, both, MPI.MAX), label)
-    n = len(facts)
-    if (both[:n] == -both[n:]).all() and not both[n - 1]:
+    if all_equal(both) and not both[len(facts)]:
         return
     raise ValueError(f"{what} "
                      f"{by_rank(watched_allgather(base, describe(), label))}")
+
+
+# -- the fixed-size forms: checks that the progress thread may run -----------------------------
+# The forms above gather pickled objects, whose size a rank learns only from the message, and
+# mpi4py's pickled collectives block: they run on program threads only. A check that the
+# progress thread may run (docs/concurrency.md, rule 3: the MPIDP_DEBUG call check, alltoall's
+# splits, allgatherv's shapes, the backend's call check) uses these: numpy rows of one length
+# and dtype on every rank, each step a handle.collective (driven there, never waited on). The
+# policy is the same: gather, then every rank judges the same table.
+
+_ROW_TYPES = {np.dtype(np.uint8): MPI.BYTE, np.dtype(np.int64): MPI.INT64_T}
+
+
+def extremes(values) -> np.ndarray:
+    """``values`` and their negatives, as int64: allreduced with MAX, they give every rank each
+    value's largest and smallest over the ranks (``all_equal`` reads them)."""
+    values = np.asarray(values, dtype=np.int64)
+    return np.concatenate([values, -values])
+
+
+def all_equal(reduced: np.ndarray) -> bool:
+    """Whether every rank held the same values, from ``extremes`` allreduced with MAX."""
+    half = len(reduced) // 2
+    return bool(np.array_equal(reduced[:half], -reduced[half:]))
+
+
+def gather_rows(comm: MPI.Intracomm, row: np.ndarray, label) -> np.ndarray:
+    """Every rank's ``row`` (one length and dtype, uint8 or int64, on every rank) as a table."""
+    table = np.empty((comm.Get_size(), row.size), dtype=row.dtype)
+    kind = _ROW_TYPES[row.dtype]
+    collective(comm, "Allgather", ([row, kind], [table, kind]), label)
+    return table
+
+
+def decide_rows(comm: MPI.Intracomm, row: np.ndarray, judge, label) -> np.ndarray:
+    """``decide`` in fixed-size form: gather every rank's ``row``, then raise what
+    ``judge(table)`` returns on every rank (it must read the table alone); return the table."""
+    table = gather_rows(comm, row, label)
+    error = judge(table)
+    if error is not None:
+        raise error
+    return table

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from .. import _args, settings
 from .. import watchdog as _watchdog
-from . import handle as _handle
+from . import agreement as _agreement
 from .dtypes import _DATATYPES, _DTYPES, OPS as _OPS
 
 
@@ -97,19 +97,21 @@ def _check_same_call(comm: MPI.Intracomm, name: str, nonblocking: bool, **fields
     mine = np.zeros(_CALL_BYTES + 8, dtype=np.uint8)
     mine[:min(len(text), _CALL_BYTES)] = np.frombuffer(text[:_CALL_BYTES], dtype=np.uint8)
     mine[_CALL_BYTES:] = np.frombuffer(hashlib.blake2b(text, digest_size=8).digest(), np.uint8)
-    every = np.empty((comm.Get_size(), mine.size), dtype=np.uint8)
-    _handle.collective(comm, "Allgather", ([mine, MPI.BYTE], [every, MPI.BYTE]),
-                       f"the MPIDP_DEBUG check of {call}")
-    if (every == mine).all():
-        return
+    _agreement.decide_rows(comm, mine, _calls_differ, f"the MPIDP_DEBUG check of {call}")
+
+
+def _calls_differ(every: np.ndarray) -> ValueError | None:
+    """The MPIDP_DEBUG check's judge: rows of each rank's call text and hash."""
+    if (every == every[0]).all():
+        return None
     calls = [bytes(row[:_CALL_BYTES]).rstrip(b"\0").decode(errors="replace") for row in every]
     ranks_of: dict[str, list[int]] = {}
     for rank, call in enumerate(calls):
         ranks_of.setdefault(call, []).append(rank)
     made = "; ".join(f"{_ranks(ranks)} called {call}" for call, ranks in ranks_of.items())
-    raise ValueError(f"collective calls differ across ranks: {made}; every rank must make the "
-                     f"same collective calls, with the same op, root, dtype and element count, "
-                     f"in the same order")
+    return ValueError(f"collective calls differ across ranks: {made}; every rank must make the "
+                      f"same collective calls, with the same op, root, dtype and element count, "
+                      f"in the same order")
 
 
 # -- the backend's always-on check of a call's shape ---------------------------------------
@@ -141,9 +143,8 @@ def fingerprint(call: str, numel: int, dtype: torch.dtype, op: str | None = None
 def _fingerprint_bytes(call: str, numel: int, dtype: torch.dtype, op: str | None,
                        root: int) -> bytes:
     # a program repeats a few shapes: cached, a fingerprint costs a dict lookup and a copy
-    values = (_CALL_CODES[call], numel, _DTYPE_CODES.get(dtype, -1),
-              -1 if op is None else _OP_CODES.get(op, -2), root)
-    return np.array(values + tuple(-v for v in values), dtype=np.int64).tobytes()
+    return _agreement.extremes([_CALL_CODES[call], numel, _DTYPE_CODES.get(dtype, -1),
+                                -1 if op is None else _OP_CODES.get(op, -2), root]).tobytes()
 
 
 def fingerprint_problem(reduced: np.ndarray, own: bytes | None = None) -> str | None:
@@ -153,12 +154,10 @@ def fingerprint_problem(reduced: np.ndarray, own: bytes | None = None) -> str | 
     reduction equals it exactly when every rank's is the same (MAX of the values and of
     their negatives gives the largest and the smallest of each field).
     """
-    if own is not None and reduced.tobytes() == own:
+    if own is not None and reduced.tobytes() == own or _agreement.all_equal(reduced):
         return None
     count = len(_FIELDS)
     high, low = reduced[:count], -reduced[count:]
-    if np.array_equal(high, low):
-        return None
     differ = [f"{name} from {_describe(name, int(lo))} to {_describe(name, int(hi))}"
               for name, lo, hi in zip(_FIELDS, low, high) if lo != hi]
     return (f"collective calls differ across ranks ({', '.join(differ)}); every rank must "

@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from .. import _args
+from . import agreement as _agreement
 from . import checks as _checks
 from .checks import _check_same_call, _check_tensor, _ranks
 from .dtypes import _DTYPES, _buffer, _dtype_name, _vbuffer
@@ -63,17 +64,17 @@ def _check_splits_agree(comm: MPI.Intracomm, receives: list[int], sends: list[in
     outgoing = np.array([[rows, row_numel, code] for rows in sends], dtype=np.int64)
     incoming = np.empty_like(outgoing)
     collective(comm, "Alltoall", ([outgoing, 3, MPI.INT64_T], [incoming, 3, MPI.INT64_T]), label)
-    rank = comm.Get_rank()
     mismatched = any(peer_row_numel != row_numel or peer_code != code or rows != receives[peer]
                      for peer, (rows, peer_row_numel, peer_code) in enumerate(incoming.tolist()))
-    count = np.array([int(mismatched)], dtype=np.int64)
-    collective(comm, "Allreduce", (MPI.IN_PLACE, [count, MPI.INT64_T], MPI.MAX), label)
-    if not count[0]:
-        return
-    size = comm.Get_size()
-    mine = np.array([*sends, *receives, row_numel, code], dtype=np.int64)
-    table = np.empty((size, mine.size), dtype=np.int64)
-    collective(comm, "Allgather", ([mine, MPI.INT64_T], [table, MPI.INT64_T]), label)
+    if _agreement.any_failed(comm, mismatched, label):
+        mine = np.array([*sends, *receives, row_numel, code], dtype=np.int64)
+        _agreement.decide_rows(comm, mine, _splits_disagree, label)
+
+
+def _splits_disagree(table: np.ndarray) -> ValueError:
+    """The splits check's judge, once some rank found a fault: rows of each rank's sends,
+    receives, row size and dtype code."""
+    size = len(table)
     faults = []
     for rank, row in enumerate(table.tolist()):
         want, numel, kind = row[size:2 * size], row[2 * size], row[2 * size + 1]
@@ -87,9 +88,9 @@ def _check_splits_agree(comm: MPI.Intracomm, receives: list[int], sends: list[in
                 faults.append(f"rank {peer}'s input_splits[{rank}] is {rows}, rank {rank}'s "
                               f"output_splits[{peer}] is {want[peer]}")
     more = f" (and {len(faults) - 4} more)" if len(faults) > 4 else ""
-    raise ValueError(f"alltoall splits disagree across ranks: {'; '.join(faults[:4])}{more}; "
-                     f"each rank's output_splits[j] must equal rank j's input_splits[rank], "
-                     f"of rows with the same number of elements and dtype")
+    return ValueError(f"alltoall splits disagree across ranks: {'; '.join(faults[:4])}{more}; "
+                      f"each rank's output_splits[j] must equal rank j's input_splits[rank], "
+                      f"of rows with the same number of elements and dtype")
 
 
 def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
@@ -198,15 +199,13 @@ def _exchange_rows(comm: MPI.Intracomm, tensor: torch.Tensor, row_shape: tuple, 
                             "little")
     mine = np.array([tensor.shape[0], _DTYPES.index(tensor.dtype), len(row_shape), digest],
                     dtype=np.int64)
-    every = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    collective(comm, "Allgather", ([mine, MPI.INT64_T], [every, MPI.INT64_T]), label)
+    every = _agreement.gather_rows(comm, mine, label)
     shapes = [row_shape] * len(every)
     if len(set(map(tuple, every[:, 2:].tolist()))) > 1:  # the same on every rank
         width = max(1, int(every[:, 2].max()))
         padded = np.zeros(width, dtype=np.int64)
         padded[:len(row_shape)] = row_shape
-        table = np.empty((len(every), width), dtype=np.int64)
-        collective(comm, "Allgather", ([padded, MPI.INT64_T], [table, MPI.INT64_T]), label)
+        table = _agreement.gather_rows(comm, padded, label)
         shapes = [tuple(table[r, :int(every[r, 2])].tolist()) for r in range(len(every))]
     return [(int(rows), shape, _dtype_name(_DTYPES[int(code)]))
             for (rows, code, _, _), shape in zip(every.tolist(), shapes)]

@@ -12,7 +12,7 @@ Modes:
   same communicator (the default pool's second member), with the same count;
 - ``sleep RANK [OVERLAP]``: at DDP step 3, ``RANK`` sleeps in user code
   between forward and backward while the others wait in the step's first
-  bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 5``
+  bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 3``
   seconds, wakes up, and the training ends normally;
 - ``gil RANK``: as ``sleep``, but ``RANK`` sleeps in C holding the GIL, so no
   thread of it can answer;
@@ -92,7 +92,8 @@ def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: boo
             if RANK == stop_rank and holds_gil:
                 ctypes.PyDLL(None).sleep(120)  # libc sleep() through PyDLL keeps the GIL
             elif RANK == stop_rank:
-                time.sleep(TIMEOUT + 5 if REPORT_ONLY else 120)  # the summary comes within 3 s + a period
+                # every rank answers rank 0 within a period or two of its watchdog (TIMEOUT / 4)
+                time.sleep(TIMEOUT + 3 if REPORT_ONLY else 120)
         loss.backward()
         optimizer.step()
     ddp.close()
