@@ -8,13 +8,18 @@ ends early still tells what ran. A test that fails on some ranks only leaves the
 others in a collective the failed rank never calls: with ``HVD_SUITE_ABORT=1`` (what
 tests/test_horovod_suite.py sets) the failing rank prints its failure and aborts the
 job instead, which ends the launch at once, naming the test. The tests named in
-``HVD_SUITE_KNOWN_FAILING`` (comma-separated) fail on every rank together, so their
-failure is recorded and the run goes on.
+``HVD_SUITE_KNOWN_FAILING`` (comma-separated) may fail and the run goes on, but only where
+they fail on every rank together: after each of them every rank compares its outcome with
+the others' (a nonblocking allreduce on a communicator of this plugin's own, waited for
+``_AGREE_SECONDS`` at most), and a known failure on some ranks only, or a peer that never
+comes because it waits inside the test, aborts the job as any other failure does.
 """
 
+import array
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -49,6 +54,28 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item.name not in names]
 
 
+_AGREE_SECONDS = 30.0  # a peer still inside a known-failing test after this is stuck there
+_comm = None  # this plugin's own duplicate of COMM_WORLD: nothing of the suite's issues on it
+
+
+def _failed_on_every_rank_alike(failed: bool) -> bool:
+    """Whether every rank's outcome equals this one's (all failed or none); False when a peer
+    does not come within _AGREE_SECONDS. Every rank calls it after the same tests."""
+    global _comm
+    from mpi4py import MPI
+    if _comm is None:
+        _comm = MPI.COMM_WORLD.Dup()
+    # MAX of the flag and of its negative: every rank learns the largest and the smallest
+    both, reduced = array.array("l", [int(failed), -int(failed)]), array.array("l", [0, 0])
+    request = _comm.Iallreduce(both, reduced, op=MPI.MAX)
+    deadline = time.monotonic() + _AGREE_SECONDS
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return reduced[0] == -reduced[1]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
     name = report.nodeid.split("::")[-1]
@@ -57,11 +84,21 @@ def pytest_runtest_logreport(report):
         if _outcomes.get(name) != "failed":
             _outcomes[name] = report.outcome
     _write()
-    if report.failed and os.environ.get("HVD_SUITE_ABORT") == "1" \
-            and name not in _names("HVD_SUITE_KNOWN_FAILING"):
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_size() > 1:
-            sys.stderr.write(f"\n[rank {_rank()}] FAILED {name} ({report.when}):\n"
-                             f"{report.longreprtext}\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+    if os.environ.get("HVD_SUITE_ABORT") != "1":
+        return
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return
+    why = None
+    if name in _names("HVD_SUITE_KNOWN_FAILING"):
+        if report.when == "teardown" and \
+                not _failed_on_every_rank_alike(_outcomes.get(name) == "failed"):
+            why = (f"known-failing test {name} failed on some ranks only (or a peer is still "
+                   f"inside it after {_AGREE_SECONDS:g} s): the others would wait for this "
+                   f"rank in its next collective")
+    elif report.failed:
+        why = f"FAILED {name} ({report.when}):\n{report.longreprtext}"
+    if why is not None:
+        sys.stderr.write(f"\n[rank {_rank()}] {why}\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
