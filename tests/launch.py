@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,8 +32,28 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
     """Run ``python args...`` on ``nprocs`` ranks; fail the test on a non-zero exit or a hang."""
     # The flight recorder's files (mpidp.recorder) go to a directory of the launch's own,
     # removed after it, unless the test names one to read.
+    # A launch that fails or hangs adds what its ranks left there to the failure: a hang's
+    # ranks get SIGTERM first, on which each writes its stacks and flight record (mpidp.stacks).
     with tempfile.TemporaryDirectory(prefix="mpidp-trace-") as traces:
-        return _run(nprocs, args, timeout, {"MPIDP_TRACE_DIR": traces, **(env or {})}, check)
+        env = {"MPIDP_TRACE_DIR": traces, **(env or {})}
+        try:
+            return _run(nprocs, args, timeout, env, check)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\n{_evidence(Path(env['MPIDP_TRACE_DIR']))}") from None
+
+
+def _evidence(folder: Path) -> str:
+    """The ranks' stacks files and ``python -m mpidp trace``'s reading of their flight records."""
+    found = sorted(path for path in folder.glob("*") if path.is_file() and path.stat().st_size)
+    if not found:
+        return f"(the ranks left nothing in {folder})"
+    parts = [f"--- {path.name} (innermost frames first) ---\n"
+             f"{path.read_text(errors='replace')[:4000]}"
+             for path in found if path.name.endswith(".stacks.txt")]
+    trace = subprocess.run([sys.executable, "-m", "mpidp", "trace", str(folder)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    parts.append(f"--- python -m mpidp trace ---\n{(trace.stdout + trace.stderr)[-6000:]}")
+    return "\n".join(parts)
 
 
 # More ranks than cores (3 and 4 ranks on CI's 2): Open MPI's --oversubscribe makes its waiting
@@ -51,13 +72,16 @@ def _run(nprocs, args, timeout, env, check) -> subprocess.CompletedProcess:
     full_env.update(env)
     command = [launcher, *_oversubscribe_flags(launcher), "-n", str(nprocs),
                sys.executable, *args]
+    job = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True,
-                                text=True, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as err:
-        output = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _end(job)
         raise AssertionError(f"{' '.join(command)} did not finish in {timeout} s (hang?)\n"
-                             f"{output[-8000:]}") from None
+                             f"--- stdout ---\n{stdout[-8000:]}\n"
+                             f"--- stderr ---\n{stderr[-8000:]}") from None
+    result = subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited with {result.returncode}\n"
                              f"--- stdout ---\n{result.stdout[-12000:]}\n"
@@ -65,9 +89,29 @@ def _run(nprocs, args, timeout, env, check) -> subprocess.CompletedProcess:
     return result
 
 
+def _end(job: subprocess.Popen) -> tuple[str, str]:
+    """End a launch that hung: SIGTERM to its process group (the ranks write their stacks and
+    flight records, as at a launcher's time limit), SIGKILL after 15 s; return its output."""
+    for signum, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(job.pid, signum)
+        except ProcessLookupError:
+            pass
+        try:
+            return job.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return "", "(no output: the launch did not end after SIGKILL)"
+
+
 def run_pytest(nprocs: int, paths: str | list[str], timeout: float, *extra: str,
                env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run MPI test files (one path or several, in one job) with pytest on every rank."""
+    """Run MPI test files (one path or several, in one job) with pytest on every rank.
+
+    ``--capture=sys``: pytest captures what Python prints, but not what is written to file
+    descriptor 2 itself, as the stall watchdog's report and mpidp's end-of-job summary are
+    (``os.write``): under pytest's default (``fd``) they went to a capture file that an
+    aborted rank never shows, and a stalled check file left an empty stderr."""
     paths = [paths] if isinstance(paths, str) else list(paths)
-    return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *paths, *extra],
-               timeout, env=env)
+    return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys", "-x",
+                        *paths, *extra], timeout, env=env)
