@@ -148,7 +148,9 @@ def small_model():
     return nn.Sequential(*layers), batches, nn.functional.mse_loss
 
 
-def ddp_step_row(model_name: str, rounds: int, toggle=None, parts=("record", "thread")) -> dict:
+def ddp_step_row(model_name: str, rounds: int, toggle=None, parts=("record", "thread"),
+                 bind=None) -> dict:
+    """One DDP step of ``model_name``, on and off (``bind(ddp)``, if given, returns the toggle)."""
     if model_name == "small":
         model, batches, loss_fn = small_model()
         ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.05, first_bucket_mb=0.05,
@@ -156,6 +158,8 @@ def ddp_step_row(model_name: str, rounds: int, toggle=None, parts=("record", "th
     else:
         model, batches, loss_fn = build(model_name, COMM.rank)
         ddp = mpidp.DistributedDataParallel(model)
+    if bind is not None:
+        toggle = bind(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = batches[0]
 

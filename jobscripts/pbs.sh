@@ -24,11 +24,14 @@ LAUNCH=(mpiexec -n "$NRANKS" -ppn 2 -bind-to numa)
 EXAMPLE=(examples/train_digits.py --epochs 10)
 
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
-    echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp info"
+    echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp doctor"
     LAUNCH=(mpiexec -n 2 -bind-to core)  # the local stand-in: 2 ranks, a core each
     # your own EXAMPLE runs as you wrote it; only the bundled example is cut short
     if [[ "${EXAMPLE[0]}" == examples/train_digits.py ]]; then EXAMPLE=(examples/train_digits.py --epochs 1); fi
 fi
 
-"${LAUNCH[@]}" python -m mpidp info
+# The layout of the ranks, then checks of what would make the job fail (launch, binding,
+# threads, versions, /dev/shm, the rendezvous address, settings, GPUs): on a problem it
+# prints the fix and ends the job here, before training (docs/debugging.md).
+"${LAUNCH[@]}" python -m mpidp doctor
 "${LAUNCH[@]}" python "${EXAMPLE[@]}"

@@ -30,7 +30,7 @@ export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}
 # built against: pmi2 for MPICH, MVAPICH and Intel MPI (which also needs
 # I_MPI_PMI_LIBRARY=<SLURM's libpmi2.so>, docs/install.md), pmix for Open MPI,
 # cray_shasta on HPE Cray (`srun --mpi=list` shows what your site has). A mismatch
-# shows as every rank saying "rank 0 of 1" in the info report below.
+# shows as the doctor below failing its launch check on every rank.
 SRUN_MPI=${SRUN_MPI:-pmi2}
 # --kill-on-bad-exit=1: a rank that dies ends the job instead of leaving the others waiting.
 LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --gpu-bind=closest --kill-on-bad-exit=1)
@@ -38,11 +38,14 @@ LAUNCH=(srun --mpi="$SRUN_MPI" --cpu-bind=cores --gpu-bind=closest --kill-on-bad
 EXAMPLE=(examples/train_digits.py --epochs 10)
 
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
-    echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp info"
+    echo "dry run: on the cluster this runs: ${LAUNCH[*]} python -m mpidp doctor"
     LAUNCH=(mpiexec -n 2 -bind-to core)  # the local stand-in: 2 ranks, a core each
     # your own EXAMPLE runs as you wrote it; only the bundled example is cut short
     if [[ "${EXAMPLE[0]}" == examples/train_digits.py ]]; then EXAMPLE=(examples/train_digits.py --epochs 1); fi
 fi
 
-"${LAUNCH[@]}" python -m mpidp info
+# The layout of the ranks, then checks of what would make the job fail (launch, binding,
+# threads, versions, /dev/shm, the rendezvous address, settings, GPUs): on a problem it
+# prints the fix and ends the job here, before training (docs/debugging.md).
+"${LAUNCH[@]}" python -m mpidp doctor
 "${LAUNCH[@]}" python "${EXAMPLE[@]}"

@@ -20,10 +20,13 @@ LAUNCH=(mpiexec -n "$NRANKS" -bind-to "core:$CORES_PER_RANK")
 EXAMPLE=(examples/train_digits.py --epochs 10)
 
 if [[ "${MPIDP_DRY_RUN:-0}" == 1 ]]; then
-    echo "dry run: this runs: ${LAUNCH[*]} python -m mpidp info"
+    echo "dry run: this runs: ${LAUNCH[*]} python -m mpidp doctor"
     # your own EXAMPLE runs as you wrote it; only the bundled example is cut short
     if [[ "${EXAMPLE[0]}" == examples/train_digits.py ]]; then EXAMPLE=(examples/train_digits.py --epochs 1); fi
 fi
 
-"${LAUNCH[@]}" python -m mpidp info
+# The layout of the ranks, then checks of what would make the job fail (launch, binding,
+# threads, versions, /dev/shm, the rendezvous address, settings, GPUs): on a problem it
+# prints the fix and ends the job here, before training (docs/debugging.md).
+"${LAUNCH[@]}" python -m mpidp doctor
 "${LAUNCH[@]}" python "${EXAMPLE[@]}"

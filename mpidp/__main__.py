@@ -1,4 +1,6 @@
-"""Command line, under ``mpiexec -n N``: ``info`` prints the job's layout, ``run`` runs a program.
+"""Command line, under ``mpiexec -n N``: ``info`` prints the job's layout, ``run`` runs a program,
+``doctor`` checks the launch, the binding, the versions and more for what would make the job fail
+(``mpidp.doctor``; exit status 1 when something is wrong).
 
 ``python -m mpidp trace DIR`` (no ``mpiexec``) reads the ranks' flight records in DIR
 and names the first collective where they part (``mpidp.trace``).
@@ -22,20 +24,12 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import rendezvous, runtime, topology, trace
+from mpidp import doctor, rendezvous, runtime, topology, trace
 from mpidp.comm.handle import collective
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
                 "torch": "reduced by torch inside a user-defined MPI op (this MPI library "
                          "has no bfloat16 sum of its own)"}
-
-
-def format_table(rows: list[dict]) -> str:
-    """Left-aligned columns under a header, from dicts that share their keys."""
-    header = list(rows[0])
-    cells = [header] + [[str(row[key]) for key in header] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
 
 
 def cuda_aware_status() -> str:
@@ -93,7 +87,7 @@ def info() -> int:
                          "python -m mpidp info: each rank's threads (allgather)")
     found = topology.binding_warnings(ranks)
     if mpidp.rank() == 0:
-        print(format_table([r.as_row() for r in ranks]))
+        print(topology.table(ranks))
         print()
         print(f"MPI library:   {MPI.Get_library_version().splitlines()[0].strip()}")
         print(f"MPI standard:  {'.'.join(map(str, MPI.Get_version()))}, {thread_level_status()}")
@@ -122,7 +116,17 @@ def main(argv=None) -> int:
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args] or module [args]")
     lineup = commands.add_parser("trace", help="line up the ranks' flight records in DIR (no mpiexec)")
     lineup.add_argument("folder", metavar="DIR", help="MPIDP_TRACE_DIR, or mpidp-trace-<job>")
+    checkup = commands.add_parser("doctor", help="check the job's setup on every rank; "
+                                                 "exit status 1 when something is wrong")
+    checkup.add_argument("--gradients-mb", type=float, default=doctor.DEFAULT_GRADIENTS_MB,
+                         help="gradient MB per rank of the model you train (the shared-memory "
+                              "windows need that times the ranks per node in /dev/shm); "
+                              "default %(default)s")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        if not args.gradients_mb > 0:
+            parser.error(f"doctor: --gradients-mb must be > 0, got {args.gradients_mb}")
+        return doctor.main(args.gradients_mb)
     if args.command == "trace":
         return trace.main(args.folder)
     if args.command == "run":

@@ -12,9 +12,11 @@ Imports nothing from mpidp and never touches MPI, so any module may use it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 
-__all__ = ["Setting", "SETTINGS", "get", "given", "flag", "number", "choice", "text"]
+__all__ = ["Setting", "SETTINGS", "get", "given", "flag", "number", "choice", "text",
+           "problems", "values"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -78,6 +80,10 @@ _DECLARED = (
     Setting("MPIDP_STORE", "choice", None, "use",
             "the store handed to torch; unset: mpi (tcp below MPI_THREAD_MULTIPLE)",
             choices=("mpi", "tcp", "local")),
+    Setting("MPIDP_STRAGGLER_MS", "number", 100.0, "use",
+            "a rank this many ms later than the earliest at the end of most steps is named a straggler (0: off)"),
+    Setting("MPIDP_STRAGGLER_STEPS", "integer", 5, "use",
+            "the synced steps a rank's lateness is judged over", minimum=1),
     Setting("MPIDP_TRACE_DIR", "text", None, "use",
             "where each rank writes its flight record and stacks; unset: ./mpidp-trace-<job id>"),
     Setting("MPIDP_TRACE_ENTRIES", "integer", 2048, "import",
@@ -109,6 +115,33 @@ def get(name: str):
     if setting.kind == "choice":
         return _choice(name, setting.choices, setting.default)
     return _text(name)
+
+
+def problems() -> list[str]:
+    """What is wrong with the ``MPIDP_*`` variables set now, one line each (``python -m mpidp doctor``).
+
+    A declared variable whose value breaks its rule (``get``'s error), and an
+    undeclared one whose name is a near miss of a declared one (a typo that
+    would otherwise be ignored). Other undeclared names belong to tests and
+    scripts (docs/environment.md) and pass.
+    """
+    found = []
+    for name in sorted(n for n in os.environ if n.startswith("MPIDP_")):
+        if name not in SETTINGS:
+            close = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85)
+            if close:
+                found.append(f"{name} is no mpidp setting: did you mean {close[0]}?")
+            continue
+        try:
+            get(name)
+        except ValueError as error:
+            found.append(str(error))
+    return found
+
+
+def values() -> dict[str, str]:
+    """The declared variables that are set, as written (to compare across ranks)."""
+    return {name: os.environ[name] for name in SETTINGS if given(name)}
 
 
 def given(name: str) -> bool:

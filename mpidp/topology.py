@@ -30,7 +30,8 @@ from mpi4py import MPI
 from . import runtime, settings
 from . import watchdog as _watchdog
 
-__all__ = ["RankTopology", "topology", "gather", "binding_warnings", "warn_about_binding",
+__all__ = ["RankTopology", "topology", "gather", "binding_warnings", "sharing_warnings",
+           "threads_warnings", "warn_about_binding", "table",
            "parse_cpulist", "default_threads", "threads_for", "threads_reason",
            "node_affinities", "detect_launcher", "bind_hint"]
 
@@ -55,6 +56,14 @@ class RankTopology:
                     numa=",".join(map(str, self.numa_nodes)) or "-",
                     cores=compress_cpulist(self.cores), torch_threads=self.torch_threads,
                     gpu=self.gpu or "-")
+
+
+def table(ranks: list[RankTopology]) -> str:
+    """One line per rank (``as_row``'s columns, left-aligned) under a header."""
+    rows = [r.as_row() for r in ranks]
+    cells = [list(rows[0])] + [[str(value) for value in row.values()] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
 
 
 def _cores(count: int) -> str:
@@ -145,6 +154,11 @@ def binding_warnings(ranks: list[RankTopology], *, launcher: str | None = None) 
         ranks: every rank's ``topology()``.
         launcher: the syntax of the suggested launch line (default: ``detect_launcher()``).
     """
+    return sharing_warnings(ranks, launcher=launcher) + threads_warnings(ranks)
+
+
+def sharing_warnings(ranks: list[RankTopology], *, launcher: str | None = None) -> list[str]:
+    """``binding_warnings``' part on cores: ranks of a node that share cores, ranks across NUMA domains."""
     found = []
     by_host: dict[str, list[RankTopology]] = {}
     for rank in ranks:
@@ -166,6 +180,12 @@ def binding_warnings(ranks: list[RankTopology], *, launcher: str | None = None) 
     if spanning:
         found.append(f"ranks {spanning} are bound to cores in more than one NUMA domain; "
                      f"their memory traffic crosses domains")
+    return found
+
+
+def threads_warnings(ranks: list[RankTopology]) -> list[str]:
+    """``binding_warnings``' part on threads: ranks with more torch threads than bound cores."""
+    found = []
     crowded = [r.rank for r in ranks if r.torch_threads > len(r.cores)]
     if crowded:
         found.append(f"ranks {crowded} run more torch threads than the cores they are bound "

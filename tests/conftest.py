@@ -7,8 +7,10 @@ tests/test_mpi.py marks its own quick test (every check file at 2 ranks, in one 
 import pytest
 
 QUICK_FILES = {"test_units.py", "test_docs.py", "test_layers.py", "test_topology.py",
-               "test_sampler.py", "test_overlap.py", "test_kernels.py", "test_cuda.py"}
-LAUNCHING = {"test_complete_snippets_run"}  # in those files, but each starts an mpiexec job
+               "test_sampler.py", "test_overlap.py", "test_kernels.py", "test_cuda.py",
+               "test_doctor.py"}
+LAUNCHING = {"test_complete_snippets_run",
+             "test_doctor_passes_a_correct_setup_and_names_each_seeded_misconfiguration"}  # in those files, but each starts an mpiexec job
 
 
 def pytest_collection_modifyitems(items):

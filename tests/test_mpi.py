@@ -703,4 +703,5 @@ def test_jobscript_parses_and_its_launch_runs_locally(script):
                             text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert JOBSCRIPTS[script] in result.stdout.splitlines()[0]
-    assert "MPI library:" in result.stdout and "final parameter checksum" in result.stdout
+    assert "mpidp doctor: no problems found" in result.stdout, result.stdout
+    assert "final parameter checksum" in result.stdout

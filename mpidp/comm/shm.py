@@ -41,12 +41,17 @@ from . import chunking as _chunking
 from . import agreement as _agreement
 from . import handle as _handle
 
-__all__ = ["Node", "Window", "node_of"]
+__all__ = ["Node", "Window", "node_of", "window_bytes"]
 
 _ALIGN = 64  # bytes: each bucket starts on a cache line
 _LINE = 16  # elements: owned slices start on a multiple of this (no false sharing)
 _BLOCK_BYTES = 256 << 10  # a block summed at a time: fits L2 with its sources
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # summed in float32
+
+
+def window_bytes(nbytes: int, local_size: int) -> int:
+    """The bytes of /dev/shm one window of ``nbytes`` per local rank takes (``Node.allocate``)."""
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN) * local_size
 
 
 _WORLD_NODES: dict[int, "Node"] = {}  # MPIDP_SHM_NODE_SIZE -> COMM_WORLD's grouping, kept
@@ -132,8 +137,8 @@ class Node:
         free, nothing left behind by a crash, and a tensor that outlives the
         DDP keeps its memory). None on every rank if any rank could not map it.
         """
-        seg = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        size = seg * self.local_size
+        size = window_bytes(nbytes, self.local_size)
+        seg = size // self.local_size
         name = identity = mapping = None
         if self.local_rank == 0:
             name, identity, mapping = _create(size)

@@ -13,7 +13,10 @@ the other ranks already wait in its collectives (``_fatal_on_error``).
 It is a mixin of ``Reducer`` and has no constructor; the reducer provides
 ``buckets``, ``layout``, ``params``, ``_position``, ``strategy``,
 ``comm_hook``, ``record``, ``timeout``, ``world``, ``_steps``, ``_futures``,
-``_first_start``, ``_step_bytes`` and ``_step_collectives``.
+``_first_start``, ``_step_bytes``, ``_step_collectives`` and ``_launch_s`` (the
+seconds this step's bucket starts took on the calling thread: under "inline"
+and with a comm hook they wait for the other ranks, which ``mpidp.ddp.stragglers``
+counts).
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ class BucketLauncher:
         while step.next_launch < len(self.buckets) and step.pending[step.next_launch] == 0:
             bucket = self.buckets[step.next_launch]
             step.next_launch += 1
+            began = time.perf_counter()
             with _watchdog.Scope(_bucket_label, self._steps, step.next_launch, len(self.buckets),
                                  bucket.buffer.nbytes, timeout=self.timeout, source=TIMEOUT_SOURCE):
                 self._start(bucket)
+            self._launch_s += time.perf_counter() - began
 
     def _start(self, bucket: Bucket) -> None:
         if not self.record:

@@ -73,12 +73,28 @@ class CommHookMixin:
         Each step: ``step`` (its number), ``bytes`` (of the buckets reduced),
         ``collectives`` (bucket collectives, counting chunks, or hook calls,
         plus the bookkeeping allreduce), ``reduction_s`` (from the first bucket
-        handed to communication to the last reduction done) and ``wait_s``
-        (how long the end of the backward pass waited for communication).
+        handed to communication to the last reduction done), ``wait_s``
+        (how long the end of the backward pass waited for communication) and
+        ``lateness_ms`` (per rank, how many ms after the earliest rank it
+        reached the end of this step's backward, the same list on every rank;
+        None until the next synced step carries it, and where any rank joined
+        or failed, or ``MPIDP_STRAGGLER_MS=0``; ``mpidp.ddp.stragglers``).
         Recorded unless ``record_stats`` is False: a few clock reads and a
         profiler range per bucket (bench/hooks_bench.py measures the cost).
         """
         return [] if self.reducer is None else [dict(entry) for entry in self.reducer.stats]
+
+    def stragglers(self) -> dict[int, float]:
+        """The ranks named as stragglers now: rank -> its median lateness in ms.
+
+        A rank is named when its ``lateness_ms`` exceeded ``MPIDP_STRAGGLER_MS``
+        at more than half of the last ``MPIDP_STRAGGLER_STEPS`` measured steps,
+        and stays named until it is late at half of them or fewer; rank 0 logs a
+        warning (logger ``mpidp.stragglers``) once per such episode. The same on
+        every rank; local (no communication).
+        """
+        tracker = None if self.reducer is None else self.reducer.stragglers
+        return {} if tracker is None else dict(tracker.named)
 
 
 def _judge_hooks(reports: list) -> Exception | None:

@@ -34,6 +34,7 @@ from ..comm import chunking as _chunking
 from .comm_hook import CommHookMixin
 from .options import base_comm as _base_comm  # mpidp.zero imports it from here
 from .join import JoinConfig, JoinMixin
+from . import stragglers as _stragglers
 from .reducer import Reducer
 from .replica import broadcast_coalesced, check_replicas, first_mismatch  # noqa: F401 (re-exported)
 from .sharded import ShardedReducer
@@ -188,6 +189,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                 sync_buffers = init_buffers = broadcast_buffers is not False
             if first_bucket_mb is None:
                 first_bucket_mb = min(_chunking.FIRST_BUCKET_MB, bucket_cap_mb)
+            stragglers = _stragglers.from_settings()  # compared across ranks in _connect
         except (TypeError, ValueError) as caught:
             error = caught
         _agreement.agree(base, error, "DistributedDataParallel(): the ranks' arguments")
@@ -199,7 +201,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                              predict_gradient_order=predict_gradient_order, overlap=overlap,
                              chunk_mb=_chunking.CHUNK_MB if chunk_mb is None else chunk_mb,
                              inplace_threshold_mb=inplace_threshold_mb,
-                             shared_memory=shared_memory)
+                             shared_memory=shared_memory, stragglers=stragglers)
         self.module = module
         self.device_ids = [device] if device_ids else None
         self.output_device = self.device_ids and device

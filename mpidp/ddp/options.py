@@ -169,7 +169,7 @@ def reducer_options(options: dict, overlap: str, shared) -> dict:
                 predict_order=options["predict_gradient_order"], overlap=overlap,
                 chunk_bytes=_chunking.chunk_bytes(options["chunk_mb"]),
                 solo_bytes=None if solo is None else int(solo * _MB),
-                static_graph=options["static_graph"])
+                static_graph=options["static_graph"], stragglers=options["stragglers"])
 
 
 def check_overlap(overlap) -> None:

@@ -26,7 +26,9 @@ when the sum of squares is the square of the sum over the world size). With
 parameter that got no gradient on some rank. Such a parameter's slot is filled
 with zeros at the end of the backward so that every bucket is still launched
 on every rank (no rank can hang), and the same error is raised on every rank
-at the next forward.
+at the next forward. The same sum carries each rank's wait at the end of the
+step before, from which every rank learns how late each rank arrives
+(``mpidp.ddp.stragglers``).
 
 A backward that raised part-way leaves its step running. The next
 grad-enabled forward finishes it first ("abandons" it): the buckets not yet
@@ -63,6 +65,7 @@ from .buckets import Bucket
 from ..comm import chunking as _chunking
 from .bucket_launch import TIMEOUT_SOURCE, BucketLauncher
 from .layout import BucketLayout
+from .stragglers import Stragglers
 from .step import ARMED, DONE, RUNNING, Step, find_tensors, reachable_parameters
 
 __all__ = ["Reducer", "find_tensors", "reachable_parameters"]
@@ -94,6 +97,8 @@ class Reducer(BucketLayout, BucketLauncher):
             do it several times) and which are unused, then rely on it.
         timeout: seconds each collective of a step may wait before the stall
             watchdog reports it (0: never); None: the process-wide timeout.
+        stragglers: ``(threshold_ms, steps)`` of ``mpidp.ddp.stragglers`` (threshold 0:
+            lateness is neither measured nor carried); equal on every rank.
     """
 
     def __init__(self, named_params, pool: _comm.Pool, control, *, bucket_cap_bytes: int,
@@ -102,7 +107,7 @@ class Reducer(BucketLayout, BucketLauncher):
                  overlap: str = "auto", chunk_bytes: int | None = None,
                  solo_bytes: int | None = None, sparse: Sequence[int] = (),
                  static_graph: bool = False, timeout: float | None = None,
-                 shared: "_shm.Node | None" = None):
+                 shared: "_shm.Node | None" = None, stragglers: tuple[float, int] = (0, 1)):
         self.names = [name for name, _ in named_params]
         self.timeout = timeout
         self.params = [param for _, param in named_params]
@@ -118,6 +123,7 @@ class Reducer(BucketLayout, BucketLauncher):
         self.stats: collections.deque = collections.deque(maxlen=STATS_KEPT)
         self.record = True  # the statistics and the profiler ranges (DDP.record_stats)
         self._first_start: float | None = None
+        self._launch_s = 0.0  # see mpidp.ddp.bucket_launch
         self._step_bytes = self._step_collectives = 0
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
@@ -133,8 +139,13 @@ class Reducer(BucketLayout, BucketLauncher):
         self.window: _shm.Window | None = None
         self._build(self._assign())
         n = len(self.params)
-        # counts per parameter, then [failed, step number, its square, joined, stop requested]
-        self._used = torch.zeros(n + 5, dtype=torch.int64)
+        # counts per parameter, then [failed, step number, its square, joined, stop
+        # requested], then one slot per rank for its last wait (stragglers)
+        threshold_ms, steps = stragglers
+        self.stragglers = (Stragglers(control.Get_rank(), self.world, threshold_ms, steps)
+                           if threshold_ms > 0 else None)
+        self._used = torch.zeros(n + 5 + (self.world if self.stragglers else 0),
+                                 dtype=torch.int64)
         self._used_flags = self._used.numpy()
         # Preemption rides on the bookkeeping (mpidp.preemption): how many ranks had
         # a stop requested when the last one was summed, and how many were summed.
@@ -374,6 +385,7 @@ class Reducer(BucketLayout, BucketLauncher):
         step.state = DONE
         n = len(self.params)
         entered = time.perf_counter()
+        launched, self._launch_s = self._launch_s, 0.0  # the starts before this wait
         try:
             if self.static_graph and self._expected is None and not (failed or joined):
                 # first static step: nothing was marked in the hooks
@@ -386,23 +398,32 @@ class Reducer(BucketLayout, BucketLauncher):
         finally:
             if joined:
                 self._used_flags[:n] = 0
-            self._used_flags[n:] = (int(failed), self._steps, self._steps ** 2, int(joined),
-                                    int(_preemption.requested()))
+            self._used_flags[n:n + 5] = (int(failed), self._steps, self._steps ** 2,
+                                         int(joined), int(_preemption.requested()))
+            if self.stragglers is not None:
+                self.stragglers.fill(self._used_flags[n + 5:])
             with _watchdog.Scope("DDP step {} bookkeeping allreduce", self._steps,
                                  timeout=self.timeout, source=TIMEOUT_SOURCE):
                 used = _comm.iallreduce(self._used, "sum", comm=self.control)
             try:
                 self._drain()
             finally:
-                counts = used.wait().tolist()
+                summed = used.wait()
+                counts = summed[:n + 5].tolist()
+                waits = summed[n + 5:].numpy().copy() if self.stragglers else None
                 self._used.zero_()
         done = time.perf_counter()
+        self._launch_s = 0.0  # the starts inside this wait are counted in it
         first, self._first_start = self._first_start, None
         reduced, self._step_bytes = self._step_bytes, 0
         collectives, self._step_collectives = self._step_collectives, 0
-        failed_ranks, total, squares, joined_ranks, self.stop_votes = counts[n:]
+        failed_ranks, total, squares, joined_ranks, self.stop_votes = counts[n:n + 5]
         self.bookkeeping_count += 1
-        if failed_ranks or squares * self.world != total * total:
+        agreed = not failed_ranks and squares * self.world == total * total
+        # this rank's wait for the others: its blocking bucket starts, then this end
+        waited = launched + done - entered
+        self._note_lateness(waits, waited if agreed and not joined_ranks else None)
+        if not agreed:
             for bucket in self.buckets:
                 if bucket.solo:
                     bucket.buffer = None  # drop this step's gradient
@@ -414,7 +435,8 @@ class Reducer(BucketLayout, BucketLauncher):
         if self.record:
             self.stats.append(dict(step=self._steps, bytes=reduced, collectives=collectives + 1,
                                    reduction_s=done - (first if first is not None else entered),
-                                   wait_s=done - entered, joined=bool(joined)))
+                                   wait_s=done - entered, joined=bool(joined),
+                                   lateness_ms=None))
         self._reduce_sparse(counts, joined)
         if not joined:
             self._copy_back(counts)
@@ -425,6 +447,15 @@ class Reducer(BucketLayout, BucketLauncher):
                                                          self.world - joined_ranks)
         if self._arrival is not None:
             self._rebuild_in_arrival_order()
+
+    def _note_lateness(self, summed, wait_s: float | None) -> None:
+        """Take the ranks' waits at the last step from this step's sum; keep this step's."""
+        if self.stragglers is None:
+            return
+        measured = self.stragglers.read(summed)
+        self.stragglers.waited(self._steps, wait_s)
+        if measured is not None and self.stats and self.stats[-1]["step"] == measured[0]:
+            self.stats[-1]["lateness_ms"] = measured[1].tolist()
 
     def _reduce_sparse(self, counts: list[int], joined: bool) -> None:
         for index in self.sparse:

@@ -9,6 +9,7 @@ import dataclasses
 import io
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -590,3 +591,68 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank_before_anything_collect
     assert texts.count(texts[0]) == SIZE, texts
     assert f"found on rank(s) [{SIZE - 1}]" in texts[0], texts[0]
     mpidp.DistributedDataParallel(nn.Linear(4, 4))  # every rank goes on, in step
+
+
+# -- stragglers (issue 29): the late rank named, from waits alone ---------------------
+
+LATE_S = 0.2  # how long the last rank sleeps before each backward of the late phase
+
+
+@multi_rank
+def test_a_rank_late_at_every_step_is_named_once_with_its_lateness(monkeypatch, caplog):
+    """Quiet steps name nobody; a rank 200 ms late before each backward is named, once,
+    with about 200 ms, on every rank alike; on time again, it is no longer named."""
+    monkeypatch.setenv("MPIDP_STRAGGLER_MS", "100")
+    monkeypatch.setenv("MPIDP_STRAGGLER_STEPS", "3")
+    caplog.set_level("INFO", logger="mpidp.stragglers")
+    torch.manual_seed(0)
+    # inline: the early ranks wait in the hooks' bucket starts; thread: at the end of backward
+    ddp = mpidp.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
+                                                      nn.Linear(16, 1)),
+                                        overlap="inline" if SIZE == 2 else "thread")
+    x = torch.randn(8, 16)
+    late = SIZE - 1
+
+    def steps(count, sleep):
+        for _ in range(count):
+            loss = ddp(x).sum()
+            if sleep and RANK == late:
+                time.sleep(LATE_S)
+            loss.backward()
+
+    steps(6, sleep=False)  # 5 steps measured (the first has no step before it)
+    quiet = [entry["lateness_ms"] for entry in ddp.stats()[:-1]]
+    assert all(len(row) == SIZE for row in quiet), quiet
+    assert ddp.stragglers() == {}, (ddp.stragglers(), quiet)
+    steps(5, sleep=True)  # named once 3 late steps are measured: at the 4th
+    named = ddp.stragglers()
+    agree_on_every_rank(sorted(named))
+    assert list(named) == [late], (named, [e["lateness_ms"] for e in ddp.stats()])
+    assert 0.75 * LATE_S * 1e3 < named[late] < 1.5 * LATE_S * 1e3, named
+    late_rows = [entry["lateness_ms"] for entry in ddp.stats()[-5:-1]]
+    assert all(max(row) == row[late] for row in late_rows), late_rows
+    steps(4, sleep=False)  # the median of the last 3 falls under the threshold
+    assert ddp.stragglers() == {}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if RANK == 0:
+        assert len(warnings) == 1, warnings
+        assert f"rank {late} is a straggler" in warnings[0], warnings
+        assert sum("no longer a straggler" in r.getMessage() for r in caplog.records) == 1
+    else:
+        assert warnings == []
+    print(f"EDGE size={SIZE} straggler named with {named[late]:.1f} ms (slept {LATE_S * 1e3:.0f})")
+    ddp.close()
+
+
+@multi_rank
+def test_straggler_settings_that_differ_across_ranks_raise_on_every_rank(monkeypatch):
+    """The setting sizes the bookkeeping allreduce: ranks that disagree get the model
+    check's error, not a mismatched collective."""
+    if RANK == SIZE - 1:
+        monkeypatch.setenv("MPIDP_STRAGGLER_MS", "0")
+    with pytest.raises(ValueError, match="stragglers") as caught:
+        mpidp.DistributedDataParallel(nn.Linear(4, 4))
+    agree_on_every_rank(str(caught.value))
+    monkeypatch.setenv("MPIDP_STRAGGLER_STEPS", "0")
+    with pytest.raises(ValueError, match="MPIDP_STRAGGLER_STEPS must be an integer >= 1"):
+        mpidp.DistributedDataParallel(nn.Linear(4, 4))

@@ -779,7 +779,7 @@ def test_stats_of_the_synced_steps(hook):
         assert any(size > chunk for size in sizes)
         for entry in stats:
             assert set(entry) == {"step", "bytes", "collectives", "reduction_s", "wait_s",
-                                  "joined"}
+                                  "joined", "lateness_ms"}
             assert entry["bytes"] == sum(sizes)
             assert entry["collectives"] >= len(sizes) + 1
             if hook is None:  # chunks counted
@@ -788,6 +788,11 @@ def test_stats_of_the_synced_steps(hook):
                 assert entry["collectives"] == len(sizes) + 1
             assert entry["reduction_s"] >= 0 and entry["wait_s"] >= 0
             assert entry["joined"] is False
+        # each step's lateness, per rank, once the next synced step carried it
+        assert stats[-1]["lateness_ms"] is None
+        for entry in stats[:-1]:
+            late = entry["lateness_ms"]
+            assert len(late) == SIZE and min(late) == 0 and all(v >= 0 for v in late), late
         assert sum(p.numel() * p.element_size() for p in ddp.parameters()) == sum(sizes)
         counted = mpidp.allgather_object([(e["bytes"], e["collectives"]) for e in stats])
         assert all(other == counted[0] for other in counted)

@@ -1,0 +1,118 @@
+"""``python -m mpidp doctor``: each misconfiguration seeded in a real launch, and a correct one.
+
+The judges are pure functions of the ranks' facts, checked here on facts written
+by hand where a machine without GPUs cannot seed them (GPUs); every other check
+runs for real under mpiexec: one correct launch, one launch with eight
+misconfigurations at once (a launcher that disagrees with MPI, a low thread
+level, unbound ranks, too many threads, another mpidp on one rank, a model too
+big for /dev/shm, an address rank 0 does not have, bad and differing MPIDP_*
+settings), and a process that MPI sees alone while Slurm says two.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import launch
+from mpidp import cuda
+from mpidp.doctor.checks import judge_gpus, judge_launch, judge_settings, judge_versions
+
+
+def _doctor(command: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full.update(env)
+    for name in [n for n in full if n.startswith("MPIDP_") and n not in env]:
+        del full[name]  # the outer run's settings are not the seeded ones
+    try:
+        return subprocess.run(command, cwd=launch.ROOT, env=full, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"{' '.join(command)} did not finish in {timeout} s (hang?)") from None
+
+
+def _lines(result: subprocess.CompletedProcess) -> dict[str, str]:
+    """check name -> its report line (and fix), from rank 0's report."""
+    found = {}
+    for line in result.stdout.splitlines():
+        words = line.split()
+        if len(words) > 2 and words[0] in ("ok", "FAIL"):
+            found[words[1]] = line
+    return found
+
+
+def test_doctor_passes_a_correct_setup_and_names_each_seeded_misconfiguration():
+    mpiexec = launch.mpiexec()
+    flags = launch._oversubscribe_flags(mpiexec)
+    openmpi = bool(flags)
+    bind = ["--bind-to", "core"] if openmpi else ["-bind-to", "core"]
+    doctor = [sys.executable, "-m", "mpidp", "doctor"]
+
+    good = _doctor([mpiexec, *flags, *bind, "-n", "2", *doctor], {})
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert len(_lines(good)) == 10 and "FAIL" not in good.stdout, good.stdout
+    assert "no problems found" in good.stdout
+
+    seeded = dict(OMPI_COMM_WORLD_SIZE="3",  # launch (Hydra passes it on untouched)
+                  MPI4PY_RC_THREAD_LEVEL="serialized",  # threading
+                  OMP_NUM_THREADS="4",  # threads; and no binding: binding
+                  MPIDP_RDZV_ADDR="198.51.100.1",  # rendezvous: no address of this host
+                  MPIDP_POOL_SIZE="0")  # settings: a bad value
+    seeded["MPIDP_TIMEOUT" + "S"] = "5"  # settings: a typo (spelt so no table lists it)
+    other_mpidp = ("import sys, mpidp; mpidp.__version__ = '0.0.other'; "  # versions
+                   "from mpidp.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    shm = ["doctor", "--gradients-mb", "1e9"]  # shm: far more than /dev/shm holds
+    if openmpi:
+        pytest.skip("the seeded launch uses MPICH Hydra's per-program -env")
+    bad = _doctor([mpiexec, "-n", "1", sys.executable, "-m", "mpidp", *shm, ":",
+                   "-n", "1", "-env", "MPIDP_CHUNK_MB", "8",  # settings: differ across ranks
+                   sys.executable, "-c", other_mpidp, *shm], seeded)
+    lines = _lines(bad)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "aborting" not in bad.stderr, bad.stderr  # every rank ends with 1 together
+    failed = sorted(name for name, line in lines.items() if line.split()[0] == "FAIL")
+    assert failed == sorted(["launch", "threading", "binding", "threads", "versions", "shm",
+                             "rendezvous", "settings"]), bad.stdout
+    assert "OMPI_COMM_WORLD_SIZE=3" in lines["launch"]
+    assert "serialized" in lines["threading"]
+    assert "mpidp 0.0.other" in lines["versions"] and "rank 1" in lines["versions"]
+    assert "198.51.100.1" in lines["rendezvous"]
+    for text in ("MPIDP_POOL_SIZE must be an integer >= 1", "did you mean MPIDP_TIMEOUT?",
+                 "MPIDP_CHUNK_MB differs across ranks"):
+        assert text in lines["settings"], lines["settings"]
+    assert bad.stdout.count("fix: ") == 8, bad.stdout
+
+    alone = _doctor(doctor, dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2"))  # srun --mpi=none
+    assert alone.returncode == 1, alone.stdout + alone.stderr
+    assert "MPI sees 1 rank(s) but the launcher started SLURM_STEP_NUM_TASKS=2" in alone.stdout
+
+
+def test_the_launch_judge_takes_the_launchers_word_against_mpis():
+    assert judge_launch([("PMI_SIZE", "2", 2), ("PMI_SIZE", "2", 2)]).ok
+    assert judge_launch([(None, None, 1)]).ok  # a plain python: nothing to compare
+    assert not judge_launch([("SLURM_STEP_NUM_TASKS", "4", 1)]).ok
+
+
+def test_the_gpu_judge_finds_a_rank_without_its_gpu_and_ranks_on_one_gpu():
+    off = cuda.Decision(False, "the MPI library reports no CUDA support; host staging")
+    none = ("n1", None, None, None)
+    assert judge_gpus([none, none], off).ok
+    own = [("n1", None, "GPU-a", False), ("n1", None, "GPU-b", False), ("n2", None, "GPU-a", False)]
+    assert judge_gpus(own, off).ok  # GPU-a on n1 and on n2 are two GPUs
+    hidden = judge_gpus([("n1", "0", "GPU-a", False), ("n1", "", None, None)], off)
+    assert not hidden.ok and "ranks [1] see no GPU while ranks [0] do" in hidden.found
+    shared = judge_gpus([("n1", None, "GPU-a", False), ("n1", None, "GPU-a", False)], off)
+    assert not shared.ok and "ranks [0, 1] on n1 use one GPU" in shared.found
+    forced = judge_gpus([("n1", None, "GPU-a", False)], cuda.Decision(True, "MPIDP_CUDA_AWARE=1"))
+    assert not forced.ok and "reports no CUDA support" in forced.found
+
+
+def test_the_settings_and_versions_judges_name_the_ranks_that_differ():
+    assert judge_settings([([], {"MPIDP_TIMEOUT": "60"}), ([], {"MPIDP_TIMEOUT": "60"})]).ok
+    differ = judge_settings([([], {"MPIDP_TIMEOUT": "60"}), ([], {})])
+    assert not differ.ok and "rank 0: '60'; rank 1: unset" in differ.found
+    same = ("python 3.11", "torch 2.13.0", "mpidp 0.1.0", "mpi4py 4.1.2", "MPICH 5.0.2")
+    assert judge_versions([same, same]).ok
+    other = judge_versions([same, (*same[:1], "torch 2.12.0", *same[2:])])
+    assert not other.ok and "rank 1: torch 2.12.0" in other.found
