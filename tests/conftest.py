@@ -10,7 +10,7 @@ QUICK_FILES = {"test_units.py", "test_docs.py", "test_layers.py", "test_topology
                "test_sampler.py", "test_overlap.py", "test_kernels.py", "test_cuda.py",
                "test_doctor.py"}
 LAUNCHING = {"test_complete_snippets_run",
-             "test_doctor_passes_a_correct_setup_and_names_each_seeded_misconfiguration"}  # in those files, but each starts an mpiexec job
+             "test_doctor_names_each_seeded_misconfiguration"}  # in those files, but each starts an mpiexec job
 
 
 def pytest_collection_modifyitems(items):

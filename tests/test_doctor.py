@@ -2,11 +2,12 @@
 
 The judges are pure functions of the ranks' facts, checked here on facts written
 by hand where a machine without GPUs cannot seed them (GPUs); every other check
-runs for real under mpiexec: one correct launch, one launch with eight
+runs for real under mpiexec: one launch with eight
 misconfigurations at once (a launcher that disagrees with MPI, a low thread
 level, unbound ranks, too many threads, another mpidp on one rank, a model too
 big for /dev/shm, an address rank 0 does not have, bad and differing MPIDP_*
-settings), and a process that MPI sees alone while Slurm says two.
+settings), and a process that MPI sees alone while Slurm says two. A correct setup passes
+in every job script's dry run (test_mpi.py), which runs the doctor first.
 """
 
 import os
@@ -42,18 +43,19 @@ def _lines(result: subprocess.CompletedProcess) -> dict[str, str]:
     return found
 
 
-def test_doctor_passes_a_correct_setup_and_names_each_seeded_misconfiguration():
+def doctor_passes(output: str) -> bool:
+    """Whether a doctor's report (rank 0's stdout) has its 10 checks and no problem."""
+    lines = _lines(subprocess.CompletedProcess([], 0, output, ""))
+    return len(lines) == 10 and "FAIL" not in output and "no problems found" in output
+
+
+def test_doctor_names_each_seeded_misconfiguration():
     mpiexec = launch.mpiexec()
-    flags = launch._oversubscribe_flags(mpiexec)
-    openmpi = bool(flags)
-    bind = ["--bind-to", "core"] if openmpi else ["-bind-to", "core"]
+    openmpi = bool(launch._oversubscribe_flags(mpiexec))
     doctor = [sys.executable, "-m", "mpidp", "doctor"]
 
-    good = _doctor([mpiexec, *flags, *bind, "-n", "2", *doctor], {})
-    assert good.returncode == 0, good.stdout + good.stderr
-    assert len(_lines(good)) == 10 and "FAIL" not in good.stdout, good.stdout
-    assert "no problems found" in good.stdout
-
+    # a correct setup: every job script's dry run (test_mpi.py) runs the doctor first, bound
+    # to cores, and needs its 10 checks to pass (doctor_passes below)
     seeded = dict(OMPI_COMM_WORLD_SIZE="3",  # launch (Hydra passes it on untouched)
                   MPI4PY_RC_THREAD_LEVEL="serialized",  # threading
                   OMP_NUM_THREADS="4",  # threads; and no binding: binding

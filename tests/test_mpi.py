@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import launch
+import test_doctor as doctor_tests
 import test_horovod_suite as hvd_suite
 
 # (file, world sizes); 4 ranks run oversubscribed on a 2-core machine.
@@ -703,5 +704,7 @@ def test_jobscript_parses_and_its_launch_runs_locally(script):
                             text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert JOBSCRIPTS[script] in result.stdout.splitlines()[0]
+    # the doctor passes a correct setup (its seeded misconfigurations: test_doctor.py)
+    assert doctor_tests.doctor_passes(result.stdout), result.stdout
     assert "mpidp doctor: no problems found" in result.stdout, result.stdout
     assert "final parameter checksum" in result.stdout
