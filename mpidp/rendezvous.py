@@ -58,6 +58,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from . import settings, address as _address, runtime, store as _store
+from . import watchdog as _watchdog
 from .comm import agreement
 from .comm.handle import collective
 
@@ -452,6 +453,22 @@ def _agree_on_init(backend: str, store, kwargs: dict) -> None:
                          f"init_method; got {agreement.by_rank([m for m, _ in every])}")
 
 
+def with_group_timeout(backend: str, kwargs: dict) -> dict:
+    """``kwargs`` with gloo's and NCCL's group timeout set to the stall watchdog's, if not given.
+
+    The watchdog sees mpidp's own collectives only. A gloo or NCCL collective whose peer
+    never comes raises after its group's timeout (torch's default: 30 minutes for gloo),
+    and the raise ends the job (``mpidp.runtime``). With the watchdog's timeout
+    (``MPIDP_TIMEOUT``, ``mpidp.watchdog.set_timeout``) such a job ends as soon as an mpidp
+    stall would, though without the stall summary that names each rank. Under
+    ``MPIDP_TIMEOUT_ACTION=report``, or with the watchdog off, torch's default stays.
+    """
+    seconds, action = _watchdog.get_timeout()
+    if "timeout" in kwargs or backend == "mpidp" or not seconds or action != "abort":
+        return kwargs
+    return {**kwargs, "timeout": datetime.timedelta(seconds=seconds)}
+
+
 def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> None:
     """``torch.distributed.init_process_group`` for any backend, ranks and store from MPI.
 
@@ -466,9 +483,12 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
             the default, which is "tcp" below MPI_THREAD_MULTIPLE. A torch
             ``Store`` is passed on to torch as it is.
         **kwargs: passed on (``timeout``, ``device_id``, ``pg_options``, ...);
-            ``rank`` and ``world_size`` may be given and must equal MPI's.
+            ``rank`` and ``world_size`` may be given and must equal MPI's. Without
+            ``timeout``, a gloo or NCCL group waits the stall watchdog's timeout
+            (``MPIDP_TIMEOUT``; see ``with_group_timeout``).
     """
     backend = default_backend() if backend is None else backend
+    kwargs = with_group_timeout(backend, kwargs)
     _agree_on_init(backend, store, kwargs)
     if store is not None and not isinstance(store, str):
         dist.init_process_group(backend, store=store, **kwargs)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import mpidp
-from mpidp import address, rendezvous
+from mpidp import address, rendezvous, watchdog
 
 RANK, SIZE = mpidp.rank(), mpidp.size()
 WORLD = MPI.COMM_WORLD
@@ -85,6 +85,29 @@ def test_backends_start_with_a_shared_store_and_init_barrier(backend, store, env
         mpidp.monitored_barrier(timeout=datetime.timedelta(seconds=30))
     finally:
         dist.destroy_process_group()
+
+
+def test_gloo_waits_the_watchdogs_timeout_unless_told_otherwise():
+    """A gloo group's timeout is the stall watchdog's: its stalls end the job as mpidp's do."""
+    seconds, action = watchdog.get_timeout()
+    cpu = torch.device("cpu")
+    try:
+        watchdog.set_timeout(5)
+        for kwargs, expected in (({}, 5), ({"timeout": datetime.timedelta(seconds=7)}, 7)):
+            mpidp.init_process_group("gloo", **kwargs)
+            try:
+                group = dist.distributed_c10d._get_default_group()
+                assert group._get_backend(cpu).options._timeout.total_seconds() == expected
+            finally:
+                dist.destroy_process_group()
+        assert rendezvous.with_group_timeout("mpidp", {}) == {}  # the watchdog sees its stalls
+        watchdog.set_timeout(5, action="report")  # the job goes on after a stall: torch's default
+        assert rendezvous.with_group_timeout("gloo", {}) == {}
+        watchdog.set_timeout(0, action="abort")  # off
+        assert rendezvous.with_group_timeout("cpu:gloo,cuda:nccl", {}) == {}
+    finally:
+        watchdog.set_timeout(None, action=action)
+    assert watchdog.get_timeout() == (seconds, action)
 
 
 def test_a_user_env_init_after_import_uses_mpidp_store():
