@@ -318,3 +318,21 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = re.search(r"<!-- test-command -->\n```bash\n(.+?)\n```", readme, re.S).group(1)
     assert command.strip() in ci
+
+
+def test_the_store_pauses_between_polls_by_how_long_it_has_been_quiet():
+    """mpidp.store.server's polls (docs/concurrency.md): never without a pause, and the limits."""
+    from mpidp.store.server import _next_pause
+
+    def settled(quiet: float, expecting: bool) -> float:
+        pause = 0.0
+        for _ in range(20):
+            pause = _next_pause(pause, quiet, expecting)
+            assert pause >= 20e-6  # a poll that found nothing always sleeps
+        return pause
+
+    assert _next_pause(0.0, 0.0, False) == 20e-6
+    assert settled(0.0, False) == 250e-6  # a burst: a start-up's calls
+    assert settled(0.5, False) == settled(5.0, True) == 0.001  # a wait pending: keys are coming
+    assert settled(5.0, False) == 0.020  # idle
+    assert settled(60.0, False) == 0.100
