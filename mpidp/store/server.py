@@ -30,21 +30,27 @@ _GRACE_SECONDS = 30.0  # past a parked operation's timeout: rank 0 must have ans
 # pause doubles from 20 us up to a limit set by the time since the last message (_PAUSES: 250 us
 # in a burst such as a start-up, 1 ms within a second, 20 ms within 10 s, then 100 ms). The store
 # thread keeps the 1 ms limit while a wait is pending on rank 0 (a peer's, parked, or one of rank
-# 0's own threads), since keys are coming; rank 0's own store calls wake it at once. An idle
+# 0's own threads), since keys are coming; rank 0's own store calls wake it at once. A caller
+# waiting for its answer pauses up to 1 ms (_CALLER_LONGEST). An idle
 # poll's wake-up costs 30-170 us of CPU on a loaded machine: rank 0's whole process used 0.94 %
 # of a core idle with 20 ms pauses, 0.43 % with 100 ms, 0.25 % over the TCP store. Before, the
 # store thread polled without pausing for 2 ms after each request and the caller for 0.2 ms:
 # gloo's start-up at 8 ranks on 2 loaded cores took 67-72 ms against 52-60 ms without (medians
 # of 5, bench/store_startup.py; at 2 and 4 ranks the difference was within the noise).
 _PAUSES = ((0.05, 250e-6), (1.0, 0.001), (10.0, 0.020), (float("inf"), 0.100))  # (quiet <, longest)
-_EXPECTING = 1  # the _PAUSES row kept while a wait is pending (store thread), or always (caller)
+_CALLER_LONGEST = 0.001  # a caller's limit: with 250 us, 7 ranks polling took most of 2 cores
 
 
-def _next_pause(pause: float, quiet: float, expecting: bool) -> float:
-    """The pause after a poll that found nothing: ``quiet`` seconds after the last message."""
-    for row, (below, longest) in enumerate(_PAUSES):
-        if quiet < below or (expecting and row == _EXPECTING):
-            return min(max(pause * 2, 20e-6), longest)
+def _next_pause(pause: float, longest: float) -> float:
+    """The pause after a poll that found nothing: double the last, from 20 us, up to ``longest``."""
+    return min(max(pause * 2, 20e-6), longest)
+
+
+def _longest(quiet: float, expecting: bool) -> float:
+    """The store thread's limit, ``quiet`` seconds after the last message (``_PAUSES``)."""
+    for below, longest in _PAUSES:
+        if quiet < below:
+            return longest if not expecting else min(longest, _PAUSES[1][1])
     raise AssertionError("the last row of _PAUSES has no bound")
 
 
@@ -251,7 +257,7 @@ class _Service:
                 active, pause = now, 0.0  # more may follow at once: poll again without pausing
                 self.wake.clear()
                 continue
-            pause = _next_pause(pause, now - active, self.table.expecting())
+            pause = _next_pause(pause, _longest(now - active, self.table.expecting()))
             self.wake.wait(min(pause, max(soonest - now, 0.0)))
 
     def _poll(self, statuses: list) -> bool:
