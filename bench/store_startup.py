@@ -3,11 +3,19 @@
 Each launch is a fresh job (the store starts once per process); the two stores
 take turns, launch after launch, so load on the machine falls on both alike::
 
-    python bench/store_startup.py --ranks 2 4 --launches 5
+    python bench/store_startup.py --ranks 2 4 8 --launches 5 --backends mpidp gloo
 
 Per launch, every rank times ``import mpidp`` and then the first and second
 ``mpidp.init_process_group(backend)`` (destroyed in between); rank 0 prints the
-slowest rank's times. The summary gives the median over the launches.
+slowest rank's times. The summary gives the median over the launches. A rank
+that has finished its start-up waits for the others in a barrier that sleeps
+(``MPI_Barrier`` spins: on an oversubscribed machine it would take the core of
+a rank still starting), and every rank collects garbage before each start (a
+full collection of torch's objects took 220-270 ms under load, and fell inside
+one store's start or the other's by where the allocations crossed Python's
+threshold). ``--idle S`` then keeps a group and the store idle for
+S seconds and reports the CPU time rank 0's process used meanwhile (the store
+thread's polls, over MPI) as a percentage of one core.
 """
 
 from __future__ import annotations
@@ -22,30 +30,46 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
+import gc
 import time
 started = time.perf_counter()
 import mpidp
 imported = time.perf_counter() - started
 import torch.distributed as dist
 from mpi4py import MPI
+
+def barrier():  # sleeps while it waits, unlike MPI_Barrier
+    request = MPI.COMM_WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+
 times = [imported]
 for _ in range(2):
-    MPI.COMM_WORLD.Barrier()
+    gc.collect()  # else a full collection of torch's heap (~250 ms) lands in whichever start
+    MPI.COMM_WORLD.Barrier()  # crosses the threshold first: seen in both stores' starts
     t = time.perf_counter()
     mpidp.init_process_group(BACKEND)
     times.append(time.perf_counter() - t)
-    MPI.COMM_WORLD.Barrier()  # gloo: a rank that destroys its group while a peer still connects
+    barrier()  # gloo: a rank that destroys its group while a peer still connects
     dist.destroy_process_group()  # fails the peer's start ("Connection closed by peer")
+if IDLE:
+    mpidp.init_process_group(BACKEND)
+    barrier()
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(IDLE)  # every thread of mpidp's stays up: the store thread, the watchdog
+    times.append((time.process_time() - cpu) / (time.perf_counter() - wall))
+    barrier()
+    dist.destroy_process_group()
 slowest = MPI.COMM_WORLD.reduce(times, op=lambda a, b: [max(x, y) for x, y in zip(a, b)])
 if MPI.COMM_WORLD.Get_rank() == 0:
-    print("TIMES", *slowest)
+    print("TIMES", *(slowest[:3] + times[3:]))
 """
 
 
-def launch(ranks: int, store: str, backend: str) -> list[float]:
+def launch(ranks: int, store: str, backend: str, idle: float) -> list[float]:
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     env = dict(os.environ, MPIDP_STORE=store, OMP_NUM_THREADS="1")
-    code = CHILD.replace("BACKEND", repr(backend))
+    code = CHILD.replace("BACKEND", repr(backend)).replace("IDLE", repr(idle))
     done = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c", code], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((l for l in done.stdout.splitlines() if l.startswith("TIMES")), None)
@@ -57,22 +81,27 @@ def launch(ranks: int, store: str, backend: str) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--launches", type=int, default=5)
-    parser.add_argument("--backend", default="mpidp")
+    parser.add_argument("--backends", nargs="+", default=["mpidp", "gloo"])
+    parser.add_argument("--idle", type=float, default=0.0,
+                        help="seconds of an idle store after the starts; rank 0's CPU meanwhile")
     args = parser.parse_args()
-    print(f"backend {args.backend}; ms, median over {args.launches} launches (slowest rank)")
-    print("ranks  store  import mpidp  first init  second init")
-    for ranks in args.ranks:
-        results: dict[str, list[list[float]]] = {"mpi": [], "tcp": []}
-        for _ in range(args.launches):
-            for store in results:
-                results[store].append(launch(ranks, store, args.backend))
-        for store, runs in results.items():
-            medians = [statistics.median(run[i] for run in runs) * 1e3 for i in range(3)]
-            print(f"{ranks:5d}  {store:5s}  {medians[0]:12.1f}  {medians[1]:10.1f}  "
-                  f"{medians[2]:11.1f}")
-        sys.stdout.flush()
+    print(f"ms, median over {args.launches} launches (slowest rank)")
+    print("backend  ranks  store  import mpidp  first init  second init"
+          + ("  idle CPU, rank 0" if args.idle else ""))
+    for backend in args.backends:
+        for ranks in args.ranks:
+            results: dict[str, list[list[float]]] = {"mpi": [], "tcp": []}
+            for _ in range(args.launches):
+                for store in results:
+                    results[store].append(launch(ranks, store, backend, args.idle))
+            for store, runs in results.items():
+                medians = [statistics.median(run[i] for run in runs) for i in range(len(runs[0]))]
+                idle = f"  {medians[3] * 100:15.2f} %" if args.idle else ""
+                print(f"{backend:7s}  {ranks:5d}  {store:5s}  {medians[0] * 1e3:12.1f}  "
+                      f"{medians[1] * 1e3:10.1f}  {medians[2] * 1e3:11.1f}{idle}")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -318,3 +318,22 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = re.search(r"<!-- test-command -->\n```bash\n(.+?)\n```", readme, re.S).group(1)
     assert command.strip() in ci
+
+
+def test_the_store_pauses_between_polls_by_how_long_it_has_been_quiet():
+    """mpidp.store.server's polls (docs/concurrency.md): never without a pause, and the limits."""
+    from mpidp.store.server import _CALLER_LONGEST, _longest, _next_pause
+
+    def settled(longest: float) -> float:
+        pause = 0.0
+        for _ in range(20):
+            pause = _next_pause(pause, longest)
+            assert pause >= 20e-6  # a poll that found nothing always sleeps
+        return pause
+
+    assert _next_pause(0.0, 0.001) == 20e-6
+    assert settled(_longest(0.0, False)) == 250e-6  # a burst: a start-up's calls
+    assert settled(_longest(0.5, False)) == settled(_longest(5.0, True)) == 0.001  # keys coming
+    assert settled(_longest(5.0, False)) == 0.020  # idle
+    assert settled(_longest(60.0, False)) == 0.100
+    assert settled(_longest(60.0, True)) == settled(_CALLER_LONGEST) == 0.001

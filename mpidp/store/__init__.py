@@ -22,12 +22,14 @@ process (at the first rendezvous).
   peer* (not ``ANY_SOURCE``, which was seen to miss messages from another
   node with MPICH over UCX: issue 29), tests it with ``Testsome``, answers
   with nonblocking sends it tests later, and sleeps on an event between
-  polls. An operation that must wait (``get`` or ``wait`` on a key not yet
+  polls (it never spins: ``server._PAUSES``; rank 0's own calls wake it).
+  An operation that must wait (``get`` or ``wait`` on a key not yet
   set) is parked on rank 0 and answered when the key arrives or the store's
   timeout passes; the store thread keeps serving meanwhile.
 - *A caller waits only on its own requests:* each operation takes a
   *slot* of its rank (its own tags), posts the receive for its answer, then
-  sends; it tests that receive until the answer comes. An answer depends on
+  sends; it tests that receive, sleeping between tests, until the answer
+  comes. An answer depends on
   nothing but the store thread, which never waits on a collective, so a
   store operation can never be the missing link of a rank that owes a peer
   a collective.
@@ -61,8 +63,8 @@ from .. import communicators as _communicators
 from .. import runtime
 from .server import (
     _ADD, _ANSWER, _APPEND, _CAS, _CHECK, _DELETE, _ERROR, _GRACE_SECONDS, _HEAD, _INLINE_BYTES,
-    _MAX_SLEEP, _MULTI_GET, _MULTI_SET, _NUM_KEYS, _SET, _SPIN_SECONDS, _TAG_REQUEST, _TAG_SLOTS,
-    _TIMEOUT, _WAIT, _Service, _Table, _bytes, _pack, _seconds, _timed_out, _unpack,
+    _MULTI_GET, _MULTI_SET, _NUM_KEYS, _SET, _TAG_REQUEST, _TAG_SLOTS, _TIMEOUT, _WAIT, _Service,
+    _CALLER_LONGEST, _Table, _bytes, _next_pause, _pack, _seconds, _timed_out, _unpack,
 )
 
 __all__ = ["MPIStore", "start", "started"]
@@ -138,14 +140,13 @@ class _Client:
 
     @staticmethod
     def _wait(request: MPI.Request, limit: float | None, status: MPI.Status) -> bool:
-        pause, start = 0.0, time.monotonic()
-        while not request.Test(status):
+        pause = 0.0
+        while not request.Test(status):  # pausing from the first miss (server.py: Polling)
             now = time.monotonic()
             if limit is not None and now > limit:
                 return False
-            if now - start > _SPIN_SECONDS[1]:
-                pause = min(max(pause * 2, 20e-6), _MAX_SLEEP)
-                time.sleep(pause)
+            pause = _next_pause(pause, _CALLER_LONGEST)
+            time.sleep(pause)
         return True
 
 

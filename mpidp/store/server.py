@@ -22,16 +22,37 @@ _TAG_SLOTS = 16
 _HEAD = struct.Struct("<BIdQ")  # op, slot, timeout in seconds (0: none), body length
 _ANSWER = struct.Struct("<BQ")  # status, body length
 _GRACE_SECONDS = 30.0  # past a parked operation's timeout: rank 0 must have answered by then
-# Polling: a poll costs ~0.1 ms of CPU (MPICH's progress engine). After a request the store
-# thread polls without pausing for 2 ms, then pauses up to 1 ms between polls; after a second
-# without one, up to 20 ms (0.5 % of a core), so the first request after a quiet spell waits up
-# to 20 ms more, unless rank 0 used the store itself just before, and the ones right after it
-# do not. A caller polls for its answer without
-# pausing for 0.2 ms, then pauses up to 1 ms. With 5 ms pauses gloo's start-up at 2 ranks took
-# 42 ms against the TCP store's 31 ms (bench/store_startup.py).
-_SPIN_SECONDS = (0.002, 0.0002)  # store thread, caller
-_MAX_SLEEP = 0.001
-_IDLE_SECONDS, _IDLE_SLEEP = 1.0, 0.020
+# Polling: MPI cannot wake a thread when a message comes, so both sides poll, and neither spins
+# (docs/concurrency.md, the store's communicator). A thread that polls without pausing keeps a
+# core and, on rank 0, the GIL: where ranks outnumber cores (or wait spinning in MPI collectives),
+# the scheduler runs it late, and rank 0's main thread, which runs torch's start-up and its own
+# store calls, waits for the GIL. So every poll that finds nothing sleeps (the GIL released); the
+# pause doubles from 20 us up to a limit set by the time since the last message (_PAUSES: 250 us
+# in a burst such as a start-up, 1 ms within a second, 20 ms within 10 s, then 100 ms). The store
+# thread keeps the 1 ms limit while a wait is pending on rank 0 (a peer's, parked, or one of rank
+# 0's own threads), since keys are coming; rank 0's own store calls wake it at once. A caller
+# waiting for its answer pauses up to 1 ms (_CALLER_LONGEST). An idle
+# poll's wake-up costs 30-170 us of CPU on a loaded machine: rank 0's whole process used 0.94 %
+# of a core idle with 20 ms pauses, 0.43 % with 100 ms, 0.25 % over the TCP store. Before, the
+# store thread polled without pausing for 2 ms after each request and the caller for 0.2 ms:
+# gloo's start-up at 8 ranks on 2 loaded cores took 67-72 ms against 52-60 ms without (medians
+# of 5, bench/store_startup.py; at 2 and 4 ranks the difference was within the noise).
+_PAUSES = ((0.05, 250e-6), (1.0, 0.001), (10.0, 0.020), (float("inf"), 0.100))  # (quiet <, longest)
+_CALLER_LONGEST = 0.001  # a caller's limit: with 250 us, 7 ranks polling took most of 2 cores
+
+
+def _next_pause(pause: float, longest: float) -> float:
+    """The pause after a poll that found nothing: double the last, from 20 us, up to ``longest``."""
+    return min(max(pause * 2, 20e-6), longest)
+
+
+def _longest(quiet: float, expecting: bool) -> float:
+    """The store thread's limit, ``quiet`` seconds after the last message (``_PAUSES``)."""
+    for below, longest in _PAUSES:
+        if quiet < below:
+            return longest if not expecting else min(longest, _PAUSES[1][1])
+    raise AssertionError("the last row of _PAUSES has no bound")
+
 
 # operations
 (_SET, _MULTI_GET, _WAIT, _ADD, _CAS, _DELETE, _NUM_KEYS, _CHECK, _APPEND,
@@ -82,6 +103,7 @@ class _Table:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # rank 0's own waiting threads
         self.parked: list = []  # (keys, deadline, answer) of remote waits
+        self.waiting = 0  # rank 0's own threads in wait_here
         self.on_park_ready = None  # wakes the store thread
 
     def _touched(self) -> None:
@@ -152,12 +174,20 @@ class _Table:
         """Rank 0's own threads: the values once every key is set, or DistStoreError."""
         deadline = time.monotonic() + seconds if seconds else None
         with self.lock:
-            while (found := self.values(keys)) is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise _timed_out(keys, seconds)
-                self.changed.wait(left)
-            return found
+            self.waiting += 1
+            try:
+                while (found := self.values(keys)) is None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise _timed_out(keys, seconds)
+                    self.changed.wait(left)
+                return found
+            finally:
+                self.waiting -= 1
+
+    def expecting(self) -> bool:
+        """Whether a wait is pending (a peer's, parked, or one of rank 0's own threads)."""
+        return bool(self.parked) or self.waiting > 0
 
     def park(self, keys: list[str], seconds: float, answer) -> None:
         """A peer's wait: ``answer(values or None)`` now, or once ready, or at its deadline."""
@@ -224,12 +254,11 @@ class _Service:
             now = time.monotonic()
             soonest = self.table.settle(now) if self.table.parked else float("inf")
             if busy or self.wake.is_set():
-                active, pause = now, 0.0
+                active, pause = now, 0.0  # more may follow at once: poll again without pausing
                 self.wake.clear()
-            elif now - active > _SPIN_SECONDS[0]:
-                longest = _MAX_SLEEP if now - active < _IDLE_SECONDS else _IDLE_SLEEP
-                pause = min(max(pause * 2, 20e-6), longest)
-                self.wake.wait(min(pause, max(soonest - now, 0.0)))
+                continue
+            pause = _next_pause(pause, _longest(now - active, self.table.expecting()))
+            self.wake.wait(min(pause, max(soonest - now, 0.0)))
 
     def _poll(self, statuses: list) -> bool:
         busy = False
