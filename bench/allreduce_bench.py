@@ -60,19 +60,31 @@ def main():
                     call()
                 elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 times[name].append(elapsed / calls)
-        for name, samples in times.items():
-            seconds = statistics.median(samples)
-            bus = 2 * (comm.size - 1) / comm.size * nbytes / seconds / 1e9
-            results.append(dict(kind="allreduce", method=name, bytes=nbytes, ranks=comm.size,
-                                us_per_call=seconds * 1e6, bus_gbps=bus))
-    if comm.rank == 0:
-        with open(args.out, "a") as out:
-            for result in results:
-                out.write(json.dumps(result) + "\n")
-        for r in results:
-            print(f"{r['bytes']:>10d} B {r['method']:20s} {r['us_per_call']:10.1f} us "
-                  f"{r['bus_gbps']:7.2f} GB/s", flush=True)
+        results += summarise(times, nbytes, comm.size, kind="allreduce")
+    report(comm, args.out, results)
     comm.Free()
+
+
+def summarise(times: dict, nbytes: int, ranks: int, **extra) -> list[dict]:
+    """One result per method: the median time per call and the bus bandwidth."""
+    results = []
+    for name, samples in times.items():
+        seconds = statistics.median(samples)
+        bus = 2 * (ranks - 1) / ranks * nbytes / seconds / 1e9
+        results.append({**extra, "method": name, "bytes": nbytes, "ranks": ranks,
+                        "us_per_call": seconds * 1e6, "bus_gbps": bus})
+    return results
+
+
+def report(comm, path: str, results: list[dict]) -> None:
+    """Rank 0 appends the results to ``path`` (JSON lines) and prints them."""
+    if comm.rank != 0:
+        return
+    with open(path, "a") as out:
+        out.writelines(json.dumps(result) + "\n" for result in results)
+    for r in results:
+        print(f"{r['bytes']:>10d} B {r['method']:20s} {r['us_per_call']:10.1f} us "
+              f"{r['bus_gbps']:7.2f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # GPU validation: the GPU tests and the GPU benchmarks, one log per part in OUTDIR.
 #
-#     bash bench/gpu_validate.sh OUTDIR [tests|bench|profile|suite]...   (default: tests bench)
+#     bash bench/gpu_validate.sh OUTDIR [sanity|tests|nccl|allreduce|bench|others|profile|suite]...
+#                                                                       (default: tests bench)
 #
 # Needs a CUDA GPU, torch with CUDA and CuPy in python3. A venv that sees them is
-# made in /tmp/mpidp-gpu-venv; an MPI comes from wheels in .whl/ if any (mpich,
-# mpi4py: there is no package index on the GPU machines of this project), else
-# from python3's own mpi4py and the mpiexec on PATH.
+# made in /tmp/mpidp-gpu-venv; mpi4py (and an MPI wheel, if any) come from wheels in .whl/
+# (there is no package index on the GPU machines of this project), else python3's own
+# mpi4py and the mpiexec on PATH. MPI_PREFIX=DIR takes the MPI installed in DIR instead (the
+# CUDA-aware Open MPI of bench/build_cuda_mpi.sh): its bin/ on PATH, MPI4PY_LIBMPI its libmpi.
+#   sanity: which MPI, whether it reports CUDA, mpidp's decision at 2 ranks;
 #   tests: the kernel and CUDA unit tests, tests/mpi/check_gpu.py and check_syncbn.py
-#          under mpiexec (MPIDP_TEST_GPU=1: a GPU test that would skip fails);
+#          under mpiexec (MPIDP_TEST_GPU=1: a GPU test that would skip fails), as decided
+#          and with host staging forced (MPIDP_CUDA_AWARE=0);
+#   nccl: tests/mpi/gpu_default_backend.py at 1 rank (NCCL) and 2 ranks on one GPU ("mpidp");
+#   allreduce: bench/gpu_allreduce.py (CUDA-aware against staged, 1 MiB - 256 MiB);
 #   bench: bench/kernel_bench.py, and bench/train_bench.py --device cuda at 2 ranks
-#          on one GPU (mpidp vs torch's DDP over gloo and over the mpidp backend;
-#          MODELS and MODES change the models and modes);
+#          on one GPU (mpidp vs torch's DDP over the mpidp backend and over gloo; MODELS and
+#          MODES change the models and modes), as decided and (CUDA-aware libraries) staged;
+#   others: the check files with GPU parts beyond check_gpu (horovod, rendezvous, shm);
 #   profile: bench/gpu_profile.py on mlp (mpidp and torch's DDP over the mpidp backend);
 #   suite: the whole test suite with the GPU visible.
 set -uo pipefail
@@ -31,6 +38,12 @@ if [ ! -x $venv/bin/python ]; then
     $venv/bin/pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 fi
 py=$venv/bin/python
+if [ -n "${MPI_PREFIX:-}" ]; then
+    MPI_PREFIX=$(realpath "$MPI_PREFIX")
+    export PATH=$MPI_PREFIX/bin:$PATH LD_LIBRARY_PATH=$MPI_PREFIX/lib:${LD_LIBRARY_PATH:-}
+    export OPAL_PREFIX=$MPI_PREFIX MPI4PY_LIBMPI=$MPI_PREFIX/lib/libmpi.so
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
 launcher=$($py -c "import sys; sys.path.insert(0, 'tests'); import launch; print(launch.mpiexec())")
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 MPIDP_TEST_GPU=1
 {
@@ -57,20 +70,46 @@ case $part in
 tests)
     timeout 300 $py -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py tests/test_cuda.py \
         2>&1 | tee "$out/tests_kernels.txt"
-    timeout 300 $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s tests/mpi/check_gpu.py \
+    timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s tests/mpi/check_gpu.py \
         2>&1 | tee "$out/tests_check_gpu.txt"
-    timeout 300 $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s tests/mpi/check_syncbn.py \
+    timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s tests/mpi/check_syncbn.py \
         -k cuda 2>&1 | tee "$out/tests_syncbn.txt"
     # host staging forced, whatever the library says (the same answers, through host memory)
-    MPIDP_CUDA_AWARE=0 timeout 300 $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs \
+    MPIDP_CUDA_AWARE=0 timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s \
         tests/mpi/check_gpu.py 2>&1 | tee "$out/tests_check_gpu_staged.txt"
+    MPIDP_CUDA_AWARE=0 timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s \
+        tests/mpi/check_syncbn.py -k cuda 2>&1 | tee "$out/tests_syncbn_staged.txt"
+    ;;
+sanity)
+    for n in 1 2; do
+        timeout 120 $launcher -n $n $py -c "import mpidp, mpidp.cuda as c; from mpi4py import MPI; print(MPI.COMM_WORLD.rank, MPI.Get_library_version().splitlines()[0], c.library_reports_cuda(), c.decision(), flush=True)" 2>&1 | tee -a "$out/sanity.txt"
+    done
+    ;;
+nccl)
+    for n in 1 2; do
+        timeout 120 $launcher -n $n $py tests/mpi/gpu_default_backend.py 2>&1 | tee -a "$out/nccl.txt"
+        echo "ranks $n rc ${PIPESTATUS[0]}" | tee -a "$out/nccl.txt"
+    done
+    ;;
+allreduce)
+    timeout 300 $launcher -n 2 $py bench/gpu_allreduce.py --out "$out/allreduce.jsonl" \
+        2>&1 | tee "$out/bench_allreduce.txt"
+    ;;
+others)
+    timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs tests/mpi/check_horovod.py \
+        tests/mpi/check_rendezvous.py tests/mpi/check_shm.py 2>&1 | tee "$out/tests_others.txt"
     ;;
 bench)
     timeout 300 $py bench/kernel_bench.py --out "$out/kernel.jsonl" 2>&1 | tee "$out/bench_kernel.txt"
+    aware=$($py -c "import mpidp.cuda as c; print(int(bool(c.library_reports_cuda())))")
     for model in ${MODELS:-mlp cnn transformer}; do
-        timeout 300 $launcher -n 2 $py bench/train_bench.py --device cuda --model $model \
-            --modes ${MODES:-local mpidp ddp-mpidp ddp-gloo} --steps 20 --out "$out/train.jsonl" \
-            2>&1 | tee -a "$out/bench_train.txt"
+        for staged in $( [ "$aware" = 1 ] && echo "unset 0" || echo unset); do
+            echo "== $model, MPIDP_CUDA_AWARE=$staged" | tee -a "$out/bench_train.txt"
+            env $( [ "$staged" = 0 ] && echo MPIDP_CUDA_AWARE=0 ) timeout ${T:-300} $launcher -n 2 \
+                $py bench/train_bench.py --device cuda --model $model \
+                --modes ${MODES:-local mpidp ddp-mpidp ddp-gloo} --steps ${STEPS:-20} \
+                --out "$out/train.jsonl" 2>&1 | tee -a "$out/bench_train.txt"
+        done
     done
     ;;
 profile)

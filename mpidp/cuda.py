@@ -34,17 +34,27 @@ from mpi4py import MPI
 from . import runtime, settings
 from . import watchdog as _watchdog
 
-__all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "library_reports_cuda", "local_device"]
+__all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "library_reports_cuda", "local_device",
+           "takes_device_memory"]
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """Whether device buffers go to MPI directly, and why."""
+    """Whether device buffers go to MPI directly, and why.
+
+    ``nonblocking``: whether nonblocking collectives get them too (where ``cuda_aware``).
+    Open MPI reads device memory in point-to-point calls and blocking collectives only:
+    its documentation lists the nonblocking collectives among the calls that do not
+    work with CUDA-aware support, and an ``MPI_Iallreduce`` of device memory crashed
+    inside its reduction (Open MPI 4.1.4 built with CUDA, an H200, 2026-11-27). Those
+    calls are staged through host memory there.
+    """
 
     cuda_aware: bool
     reason: str
+    nonblocking: bool = True
 
 
 def library_reports_cuda() -> bool | None:
@@ -66,7 +76,8 @@ def library_reports_cuda() -> bool | None:
     return None
 
 
-def decide(override: str | None, has_gpu: bool, reported: bool | None, probe) -> Decision:
+def decide(override: str | None, has_gpu: bool, reported: bool | None, probe,
+           blocking_only: bool = False) -> Decision:
     """Combine the override, the hardware, the library's word and the probe (called last).
 
     Args:
@@ -75,7 +86,17 @@ def decide(override: str | None, has_gpu: bool, reported: bool | None, probe) ->
         reported: ``library_reports_cuda()``.
         probe: a callable returning True if a device allreduce gave the right answer
             on every rank; only called when the library says it supports CUDA.
+        blocking_only: the library reads device memory in blocking collectives only
+            (Open MPI, see ``Decision``): nonblocking ones are staged even when aware.
     """
+    decided = _decide(override, has_gpu, reported, probe)
+    if decided.cuda_aware and blocking_only:
+        return Decision(True, f"{decided.reason}; nonblocking collectives staged (this library "
+                              f"reads device memory in blocking ones only)", nonblocking=False)
+    return decided
+
+
+def _decide(override, has_gpu, reported, probe) -> Decision:
     if override is not None:
         if override not in ("0", "1"):
             raise ValueError(f"MPIDP_CUDA_AWARE must be 0 or 1, got {override!r}")
@@ -116,7 +137,7 @@ def _probe() -> bool:
                                   int(ok), op=MPI.MIN))
 
 
-def agree(states: list[tuple], rank: int, probe) -> Decision:
+def agree(states: list[tuple], rank: int, probe, blocking_only: bool = False) -> Decision:
     """The decision of ``rank`` from every rank's ``(override, has_gpu, reported)``.
 
     Every rank calls this with the same gathered states, so every rank takes the
@@ -133,7 +154,12 @@ def agree(states: list[tuple], rank: int, probe) -> Decision:
     if override is None and any(claims) and not all(claims):
         return Decision(False, "not every rank sees a GPU and a CUDA-aware MPI library; host "
                                "staging everywhere")
-    return decide(override, has_gpu, reported, probe)
+    return decide(override, has_gpu, reported, probe, blocking_only)
+
+
+def _blocking_only() -> bool:
+    """Whether the library is one that reads device memory in blocking collectives only."""
+    return MPI.Get_library_version().lstrip().startswith("Open MPI")
 
 
 @functools.cache
@@ -152,12 +178,18 @@ def decision() -> Decision:
     reported = library_reports_cuda() if has_gpu else None
     states = _watchdog.watched("import mpidp: each rank's GPU and CUDA-aware setting (allgather)",
                                MPI.COMM_WORLD.allgather, (override, has_gpu, reported))
-    return agree(states, MPI.COMM_WORLD.Get_rank(), _probe)
+    return agree(states, MPI.COMM_WORLD.Get_rank(), _probe, _blocking_only())
 
 
 def cuda_aware() -> bool:
-    """Whether device buffers are handed to MPI directly."""
+    """Whether device buffers are handed to MPI directly (in blocking collectives at least)."""
     return decision().cuda_aware
+
+
+def takes_device_memory(nonblocking: bool) -> bool:
+    """Whether a collective of this kind (nonblocking: an ``I``-form) gets device memory as it is."""
+    decided = decision()
+    return decided.cuda_aware and (decided.nonblocking or not nonblocking)
 
 
 def stage_cpu() -> bool:

@@ -3,30 +3,22 @@
 Under ``mpiexec``/``srun`` MPI already knows every rank, so nothing needs to be
 configured by hand::
 
-    mpidp.init_process_group()            # "mpidp"; "cpu:gloo,cuda:nccl" with CUDA and NCCL
+    mpidp.init_process_group()            # "mpidp"; "cpu:gloo,cuda:nccl" with a GPU per rank
     mpidp.init_process_group("gloo")      # or "nccl", "mpidp", "cpu:gloo,cuda:nccl", ...
 
-**The store.** By default ``mpidp.store.MPIStore``: rank 0 holds the keys
-and the other ranks' operations travel over MPI, on a communicator of the
-store's own, so only processes of the job reach it and no port is opened
-(docs/security.md). Rank 0 answers from a thread of its own, started at the
-first rendezvous; that needs ``MPI_THREAD_MULTIPLE``, so below it the default
-is the TCP store. ``store="tcp"`` (or ``MPIDP_STORE=tcp``) keeps torch's
-``TCPStore`` instead, for processes outside MPI that must reach the store (a
-framework's launcher agent): at ``import mpidp`` rank 0 starts its server,
-bound to one address of rank 0's host that the other nodes reach (never to
-every interface), on a port the operating system picks, and MPI broadcasts
-both. The address comes from ``mpidp.address`` (``127.0.0.1`` when every rank
-shares rank 0's host); ``MPIDP_RDZV_ADDR`` or ``MPIDP_RDZV_IFACE`` override it.
-The other ranks connect at the first rendezvous, within ``MPIDP_RDZV_TIMEOUT``
-seconds; a rank that cannot raises, on every rank, an error that names the
-address, the port and the variables that change them. Each rendezvous gets a
-fresh key prefix, so a process group started after another (gloo, then
-"mpidp") never reads the first one's keys. ``store="local"`` (or
-``MPIDP_STORE=local``) keeps the process-local ``HashStore`` of earlier
-versions: for the ``"mpidp"`` backend alone, without the features that
-exchange data through the store (``monitored_barrier``,
-``TORCH_DIST_INIT_BARRIER=1``, gloo or NCCL).
+**The store.** By default ``mpidp.store.MPIStore``: rank 0 holds the keys and the
+other ranks' operations travel over MPI on the store's own communicator, so only the
+job reaches it and no port is opened (docs/security.md). Rank 0 answers from a thread
+of its own, which needs ``MPI_THREAD_MULTIPLE``; below it the default is the TCP store.
+``store="tcp"`` (``MPIDP_STORE=tcp``) keeps torch's ``TCPStore``, for processes outside
+MPI (a framework's launcher agent): rank 0 starts its server at import, bound to one
+address of its host that the other nodes reach (``mpidp.address``: ``127.0.0.1`` when
+every rank shares the host; ``MPIDP_RDZV_ADDR``/``MPIDP_RDZV_IFACE`` override it), on a
+port the system picks, and MPI broadcasts both. The other ranks connect at the first
+rendezvous, within ``MPIDP_RDZV_TIMEOUT`` seconds, or every rank raises an error naming
+the address, the port and the variables that change them. Each rendezvous gets a fresh
+key prefix. ``store="local"`` (``MPIDP_STORE=local``): a process-local ``HashStore``, for
+``"mpidp"`` alone (no ``monitored_barrier``, ``TORCH_DIST_INIT_BARRIER=1``, gloo, NCCL).
 
 **The variables.** At import, mpidp exports RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, LOCAL_SIZE, GROUP_RANK, NODE_RANK, GROUP_WORLD_SIZE,
@@ -67,6 +59,7 @@ __all__ = ["default_backend", "init_process_group", "handler", "start_up", "stor
 
 SCHEME = "mpidp"
 _MPIDP = "mpidp"
+_NCCL_MAP = "cpu:gloo,cuda:nccl"
 _STORES = ("mpi", "tcp", "local")
 _OVERRIDE = "set MPIDP_RDZV_ADDR to an address of rank 0's host that every rank reaches, or " \
             "MPIDP_RDZV_IFACE to its interface (e.g. ib0); MPIDP_RDZV_TIMEOUT is the time allowed"
@@ -93,15 +86,24 @@ _state = _State()
 
 
 def default_backend() -> str:
-    """``"cpu:gloo,cuda:nccl"`` where CUDA is visible and torch has NCCL, else ``"mpidp"``.
+    """``"cpu:gloo,cuda:nccl"`` where torch has NCCL and this node a GPU per rank, else ``"mpidp"``.
 
-    Not "cpu:mpidp,cuda:nccl": torch (2.13) makes a Python process group such as
-    mpidp's the group of every device of a device map and drops the others
-    (``_new_process_group_helper``), so NCCL would never see a CUDA tensor.
+    NCCL refuses two ranks on one GPU; ``init_process_group`` takes the map only
+    where every rank's default is it. Not "cpu:mpidp,cuda:nccl": torch (2.13) makes a
+    Python process group the group of every device of a map and drops the others.
     """
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
+    if (torch.cuda.is_available() and dist.is_nccl_available()
+            and runtime.local_size() <= torch.cuda.device_count()):
+        return _NCCL_MAP
     return _MPIDP
+
+
+def _agreed_default() -> str:
+    """``default_backend()`` where every rank's is the same, else ``"mpidp"`` on every rank."""
+    runtime.require_mpi()
+    mine = default_backend()
+    every = agreement.watched_allgather(MPI.COMM_WORLD, mine, "init_process_group: defaults")
+    return mine if len(set(every)) == 1 else _MPIDP
 
 
 def exported() -> dict[str, str]:
@@ -475,7 +477,8 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
     Args:
         backend: ``"mpidp"``, ``"gloo"``, ``"nccl"`` or a device map such as
             ``"cpu:gloo,cuda:nccl"`` (not one with "mpidp" and another backend,
-            see ``default_backend``); None: ``default_backend()``.
+            see ``default_backend``); None: ``default_backend()`` where every
+            rank's is the same, else ``"mpidp"``.
         store: ``"mpi"`` (``mpidp.store.MPIStore``: rank 0 holds the keys,
             they travel over MPI, no port; the default), ``"tcp"`` (torch's
             TCPStore on rank 0, bound to the rendezvous address) or ``"local"``
@@ -487,7 +490,7 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
             ``timeout``, a gloo or NCCL group waits the stall watchdog's timeout
             (``MPIDP_TIMEOUT``; see ``with_group_timeout``).
     """
-    backend = default_backend() if backend is None else backend
+    backend = _agreed_default() if backend is None else backend
     kwargs = with_group_timeout(backend, kwargs)
     _agree_on_init(backend, store, kwargs)
     if store is not None and not isinstance(store, str):

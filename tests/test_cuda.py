@@ -42,8 +42,23 @@ def test_the_probe_runs_on_every_rank_or_on_none():
         agree([("1", True, True), (None, True, True)], 1, never)
 
 
+def test_a_library_that_reads_device_memory_in_blocking_collectives_only_stages_the_others():
+    aware = decide(None, True, True, lambda: True, blocking_only=True)
+    assert aware.cuda_aware is True and aware.nonblocking is False
+    assert "nonblocking collectives staged" in aware.reason
+    assert decide("1", False, None, never, blocking_only=True).nonblocking is False
+    assert decide(None, True, True, lambda: True).nonblocking is True
+    staged = decide(None, True, False, never, blocking_only=True)  # nothing to add when staged
+    assert staged == Decision(False, "the MPI library reports no CUDA support; host staging")
+    assert agree([(None, True, True)] * 2, 0, lambda: True, blocking_only=True).nonblocking is False
+
+
 def test_this_machine():
-    assert library_reports_cuda() is False  # the mpich wheel is built without CUDA
+    # MPICH and Open MPI both answer (the wheels: False; bench/build_cuda_mpi.sh's: True)
+    assert library_reports_cuda() in (True, False)
+    aware_for_nonblocking = mpidp.cuda.takes_device_memory(nonblocking=True)
+    assert aware_for_nonblocking == (mpidp.cuda.decision().cuda_aware
+                                     and mpidp.cuda.decision().nonblocking)
     if not mpidp.cuda.decision().cuda_aware:
         assert mpidp.cuda.decision().reason in ("no GPU visible to torch",
                                                 "the MPI library reports no CUDA support; host staging")

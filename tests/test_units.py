@@ -337,3 +337,15 @@ def test_the_store_pauses_between_polls_by_how_long_it_has_been_quiet():
     assert settled(_longest(5.0, False)) == 0.020  # idle
     assert settled(_longest(60.0, False)) == 0.100
     assert settled(_longest(60.0, True)) == settled(_CALLER_LONGEST) == 0.001
+
+
+def test_a_datatype_the_library_lacks_is_not_taken_for_a_native_one():
+    """Open MPI 4.1 has no MPI_FLOAT16_T: mpi4py's name for it is a handle that is neither
+    DATATYPE_NULL nor valid, and reducing with it crashed inside MPI_Reduce_local."""
+    from mpi4py import MPI
+
+    from mpidp.comm import dtypes
+    assert not dtypes._usable(MPI.Datatype.fromhandle(0), torch.float16)  # invalid on MPICH too
+    assert not dtypes._usable(MPI.DATATYPE_NULL, torch.float32)
+    assert not dtypes._usable(MPI.DOUBLE, torch.float32)  # the size must match the dtype's
+    assert dtypes._usable(MPI.FLOAT, torch.float32) and dtypes._usable(MPI.C_BOOL, torch.bool)

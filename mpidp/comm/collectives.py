@@ -34,7 +34,8 @@ def _allreduce(tensor, op, comm, nonblocking, debug=True):
         _check_same_call(comm, "allreduce", nonblocking, op=repr(op),
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     reduction, native = _reduction(tensor.dtype, op)
-    (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
+    (staged,), _, copy_back = _stage((tensor,), (tensor,),
+                                     host_only=not native, nonblocking=nonblocking)
     args = (MPI.IN_PLACE, _buffer(staged), reduction)
     return _start(comm, "Allreduce", args, (tensor, staged), tensor,
                   _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking,
@@ -67,7 +68,7 @@ def _broadcast(tensor, root, comm, nonblocking):
     if _checks._DEBUG:
         _check_same_call(comm, "broadcast", nonblocking, root=root,
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
-    (staged,), _, copy_back = _stage((tensor,), (tensor,))
+    (staged,), _, copy_back = _stage((tensor,), (tensor,), nonblocking=nonblocking)
     return _start(comm, "Bcast", (_buffer(staged), root), (tensor, staged), tensor, copy_back,
                   nonblocking, ("broadcast", tensor, "root", root))
 
@@ -102,13 +103,13 @@ def _allgather(output, tensor, comm, nonblocking):
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     if _is_rank_block(tensor, output, comm.Get_rank()):
         # In place (FSDP's all-gather does it): MPI forbids aliased buffers but for MPI_IN_PLACE.
-        (received,), _, copy_back = _stage((output,), (output,))
+        (received,), _, copy_back = _stage((output,), (output,), nonblocking=nonblocking)
         args = (MPI.IN_PLACE, _buffer(received, tensor.numel()))
         return _start(comm, "Allgather", args, (output, tensor, received), output, copy_back,
                       nonblocking, ("allgather", tensor))
     if _overlap(tensor, output):
         tensor = tensor.clone()
-    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    (sent,), (received,), copy_back = _stage((tensor,), (output,), nonblocking=nonblocking)
     # mpi4py counts the receive buffer per rank, like the send buffer.
     args = (_buffer(sent), _buffer(received, tensor.numel()))
     return _start(comm, "Allgather", args, (output, tensor, sent, received),
@@ -153,7 +154,8 @@ def _reduce_scatter(output, tensor, op, comm, nonblocking):
         _check_same_call(comm, "reduce_scatter", nonblocking, op=repr(op),
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     reduction, native = _reduction(tensor.dtype, op)
-    (sent,), (received,), copy_back = _stage((tensor,), (output,), host_only=not native)
+    (sent,), (received,), copy_back = _stage((tensor,), (output,),
+                                             host_only=not native, nonblocking=nonblocking)
     # mpi4py counts the send buffer per block, like the receive buffer.
     args = (_buffer(sent, output.numel()), _buffer(received), reduction)
     return _start(comm, "Reduce_scatter_block", args, (output, tensor, sent, received), output,
@@ -193,10 +195,11 @@ def _reduce(tensor, root, op, comm, nonblocking):
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     reduction, native = _reduction(tensor.dtype, op)
     if comm.Get_rank() != root:  # sends only: its tensor is left as it was
-        (staged,), _, _ = _stage((tensor,), (), host_only=not native)
+        (staged,), _, _ = _stage((tensor,), (), host_only=not native, nonblocking=nonblocking)
         return _start(comm, "Reduce", (_buffer(staged), None, reduction, root), (tensor, staged),
                       tensor, None, nonblocking, ("reduce", tensor, "op", op, "root", root))
-    (staged,), _, copy_back = _stage((tensor,), (tensor,), host_only=not native)
+    (staged,), _, copy_back = _stage((tensor,), (tensor,),
+                                     host_only=not native, nonblocking=nonblocking)
     args = (MPI.IN_PLACE, _buffer(staged), reduction, root)
     return _start(comm, "Reduce", args, (tensor, staged), tensor,
                   _chain(_avg(staged, op, comm.Get_size()), copy_back), nonblocking,
@@ -245,12 +248,12 @@ def _gather(tensor, output, root, comm, nonblocking):
         _check_same_call(comm, "gather", nonblocking, root=root,
                          dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
     if not is_root:
-        (sent,), _, _ = _stage((tensor,), ())
+        (sent,), _, _ = _stage((tensor,), (), nonblocking=nonblocking)
         return _start(comm, "Gather", (_buffer(sent), None, root), (tensor, sent), None, None,
                       nonblocking, ("gather", tensor, "root", root))
     if output is None:
         output = tensor.new_empty((comm.Get_size(), *tensor.shape))
-    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    (sent,), (received,), copy_back = _stage((tensor,), (output,), nonblocking=nonblocking)
     args = (_buffer(sent), _buffer(received, tensor.numel()), root)
     return _start(comm, "Gather", args, (output, tensor, sent, received), output, copy_back,
                   nonblocking, ("gather", tensor, "root", root))
@@ -297,10 +300,10 @@ def _scatter(output, tensor, root, comm, nonblocking):
         _check_same_call(comm, "scatter", nonblocking, root=root,
                          dtype=_dtype_name(output.dtype), numel=output.numel())
     if not is_root:
-        _, (received,), copy_back = _stage((), (output,))
+        _, (received,), copy_back = _stage((), (output,), nonblocking=nonblocking)
         return _start(comm, "Scatter", (None, _buffer(received), root), (output, received),
                       output, copy_back, nonblocking, ("scatter", output, "root", root))
-    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    (sent,), (received,), copy_back = _stage((tensor,), (output,), nonblocking=nonblocking)
     args = (_buffer(sent, output.numel()), _buffer(received), root)
     return _start(comm, "Scatter", args, (output, tensor, sent, received), output, copy_back,
                   nonblocking, ("scatter", output, "root", root))

@@ -56,9 +56,24 @@ def _datatype(dtype: torch.dtype) -> tuple[MPI.Datatype, bool]:
     names, carrier = _DATATYPES[dtype]
     for name in names:
         datatype = getattr(MPI, name, MPI.DATATYPE_NULL)
-        if datatype != MPI.DATATYPE_NULL:
+        if _usable(datatype, dtype):
             return datatype, True
     return getattr(MPI, carrier), False
+
+
+def _usable(datatype: MPI.Datatype, dtype: torch.dtype) -> bool:
+    """Whether the library has ``datatype``, of ``dtype``'s size.
+
+    mpi4py names every datatype of the standard; a library without one (Open MPI 4.1 has
+    no ``MPI_FLOAT16_T``) gives a handle that is neither ``DATATYPE_NULL`` nor valid:
+    only asking for its size tells (a reduction of it crashed in ``MPI_Reduce_local``).
+    """
+    if datatype == MPI.DATATYPE_NULL:
+        return False
+    try:
+        return datatype.Get_size() == dtype.itemsize
+    except MPI.Exception:
+        return False
 
 
 def _buffer(tensor: torch.Tensor, count: int | None = None):

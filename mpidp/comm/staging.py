@@ -15,17 +15,19 @@ from __future__ import annotations
 import torch
 
 from .. import cuda as _cuda
+from . import handle as _handle
 
 # Read once at import; tests switch it by setting mpidp.comm.staging._STAGE_CPU.
 _STAGE_CPU = _cuda.stage_cpu()  # testing aid: CPU tensors take the staging path too
 
 
-def _stage(inputs: tuple, outputs: tuple, host_only: bool = False):
+def _stage(inputs: tuple, outputs: tuple, host_only: bool = False, nonblocking: bool = False):
     """Make tensors safe to hand to MPI; return (mpi inputs, mpi outputs, copy back or None).
 
     A contiguous tensor MPI can read goes as it is. Device memory the library
-    cannot read (it is not CUDA-aware, or ``host_only``, as for reductions that
-    torch computes on the host) gets a pinned host stand-in; a non-contiguous
+    cannot read (it is not CUDA-aware, or not for ``nonblocking`` collectives, which
+    the progress thread's blocking calls are too (``handle._driving``), or ``host_only``,
+    as for reductions that torch computes on the host) gets a pinned host stand-in; a non-contiguous
     tensor a contiguous stand-in on its own device. Inputs' stand-ins are filled
     now, outputs' copied back by the returned step once MPI has finished; a
     tensor that is both (in place) gets one stand-in. Device streams are
@@ -39,7 +41,8 @@ def _stage(inputs: tuple, outputs: tuple, host_only: bool = False):
         else:
             return inputs, outputs, None
     devices = {t.device for t in tensors if t.is_cuda}
-    device_to_host = bool(devices) and (host_only or not _cuda.cuda_aware())
+    device_to_host = bool(devices) and (
+        host_only or not _cuda.takes_device_memory(nonblocking or _handle._driving()))
     pinned = torch.cuda.is_available()
     stand_ins: dict[int, torch.Tensor] = {}
 

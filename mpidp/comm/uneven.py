@@ -120,7 +120,7 @@ def _alltoall(output, tensor, output_splits, input_splits, comm, nonblocking):
     if uneven:
         _check_splits_agree(comm, receives, sends, row_numel, tensor.dtype,
                             ("alltoall's splits check", tensor))
-    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    (sent,), (received,), copy_back = _stage((tensor,), (output,), nonblocking=nonblocking)
     if uneven:
         args = (_vbuffer(sent, [n * row_numel for n in sends]),
                 _vbuffer(received, [n * row_numel for n in receives]))
@@ -183,7 +183,7 @@ def _allgatherv(tensor, comm, nonblocking):
     sizes = [rows for rows, _, _ in headers]
     output = tensor.new_empty((sum(sizes), *row_shape))
     row_numel = math.prod(row_shape)
-    (sent,), (received,), copy_back = _stage((tensor,), (output,))
+    (sent,), (received,), copy_back = _stage((tensor,), (output,), nonblocking=nonblocking)
     args = (_buffer(sent), _vbuffer(received, [rows * row_numel for rows in sizes]))
     return _start(comm, "Allgatherv", args, (output, tensor, sent, received), (output, sizes),
                   copy_back, nonblocking, ("allgatherv", tensor))

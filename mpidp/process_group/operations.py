@@ -91,7 +91,7 @@ class Operations:
             _comm._check_same_call(_comm._collective_comm(self._pool), "allreduce", self._async,
                                    op=repr(op), dtype=_comm.dtypes._dtype_name(tensor.dtype),
                                    numel=tensor.numel())
-        if tensor.is_cuda and not _cuda.cuda_aware() and self._async:
+        if tensor.is_cuda and not _cuda.takes_device_memory(nonblocking=True) and self._async:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))

@@ -155,6 +155,43 @@ def test_compressed_allreduce_on_the_gpu_gives_the_bits_of_the_cpu(dtype):
     assert gpu.device == DEVICE and torch.equal(gpu.cpu(), cpu)
 
 
+def test_horovod_on_device_tensors_and_its_optimizer_match_the_cpu():
+    import mpidp.horovod as hvd
+    hvd.init()
+    for dtype in (torch.float32, torch.float16, torch.int32):
+        value = torch.full((6,), RANK + 1, dtype=dtype, device=DEVICE)
+        summed = hvd.allreduce(value, op=hvd.Sum, name=f"gpu.sum.{dtype}")
+        assert summed.device == DEVICE and torch.all(summed.cpu() == SIZE * (SIZE + 1) // 2)
+        gathered = hvd.allgather(torch.full((RANK + 1, 2), RANK, dtype=dtype, device=DEVICE))
+        assert gathered.device == DEVICE
+        assert gathered[:, 0].cpu().tolist() == [r for r in range(SIZE) for _ in range(r + 1)]
+        root = hvd.broadcast(torch.full((3,), RANK, dtype=dtype, device=DEVICE), root_rank=SIZE - 1)
+        assert root.cpu().tolist() == [SIZE - 1] * 3
+        sent = torch.arange(2 * SIZE, dtype=dtype, device=DEVICE) + 100 * RANK
+        received = hvd.alltoall(sent)
+        assert received.cpu().tolist() == [100 * r + 2 * RANK + i for r in range(SIZE) for i in range(2)]
+    models = twin(mlp64)
+    for model, device in zip(models, ("cpu", DEVICE)):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for step in range(3):
+            x, y = batches(step, F64)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+    diff = rel(models[1], models[0])
+    report("horovod-optimizer", diff)
+    assert diff < 1e-10
+
+
+def test_the_default_backend_is_nccl_only_where_each_rank_has_a_gpu_of_its_own():
+    from mpidp import rendezvous, runtime
+    own = runtime.local_size() <= torch.cuda.device_count()
+    nccl = torch.distributed.is_nccl_available()
+    assert rendezvous.default_backend() == ("cpu:gloo,cuda:nccl" if own and nccl else "mpidp")
+
+
 class SparseBN(torch.nn.Module):
     """A sparse embedding bag, BatchNorm (a buffer to broadcast) and a layer used on rank 0 only."""
 
@@ -220,7 +257,7 @@ def test_bucket_copies_through_the_kernel_or_torch_give_the_cpu_gradients(by_ker
 @pytest.fixture(scope="module")
 def group():
     import torch.distributed as dist
-    mpidp.init_process_group()
+    mpidp.init_process_group("mpidp")
     yield dist.group.WORLD
     dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ harness: tests/mpi/check_cluster_rendezvous.py, run by tests/test_cluster.py.
 
 import datetime
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -262,7 +263,9 @@ def _launch(nprocs: int, args: list[str], **extra: str) -> subprocess.CompletedP
                or k.startswith("OMPI_ALLOW_RUN_AS_ROOT"))  # the user's, not the job's
            and k not in rendezvous.exported()}
     env.update(extra)
-    command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(nprocs), sys.executable,
+    beside = Path(sys.executable).parent / "mpiexec"  # the wheel's, else the one on PATH
+    launcher = str(beside) if beside.exists() else shutil.which("mpiexec")
+    command = [launcher, "-n", str(nprocs), sys.executable,
                "-m", "mpidp", "run", *args]
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
