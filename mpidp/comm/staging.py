@@ -15,10 +15,67 @@ from __future__ import annotations
 import torch
 
 from .. import cuda as _cuda
+from . import chunking as _chunking
 from . import handle as _handle
 
 # Read once at import; tests switch it by setting mpidp.comm.staging._STAGE_CPU.
 _STAGE_CPU = _cuda.stage_cpu()  # testing aid: CPU tensors take the staging path too
+
+
+class HostMirror:
+    """A device tensor's pinned host copy, filled piece by piece on a stream: mpidp's one staging.
+
+    DDP's communication thread (a side stream), the backend's progress thread (its side
+    stream, polled) and single calls (``_stage``: one piece, the caller's stream) all stage
+    device memory through it. The rule: ``queue(stream, ready)`` queues every piece's copy to
+    the host on ``stream``, after ``ready`` (an event of the producer's stream; None: the
+    stream is already ordered after it); piece ``k`` of ``pieces`` may go to MPI only once
+    ``arrived(k)`` (polled) or ``wait(k)`` (blocking) says its copy is done; ``copy_back``
+    queues the result's copy into the device tensor, on the mirror's stream or the one
+    given, which a reader must then order itself after. torch's pinned-memory cache hands
+    the host block out again only once the copies queued from it are done.
+
+    Args:
+        source: the device tensor (contiguous).
+        chunk_bytes: the most bytes a piece holds (``mpidp.comm.chunking.pieces``).
+    """
+
+    def __init__(self, source: torch.Tensor, chunk_bytes: int):
+        self.source = source
+        self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        self.pieces = list(_chunking.pieces(self.host, chunk_bytes))
+        self._chunk_bytes = chunk_bytes
+        self._sources: list = []
+        self._arrived: list = []
+        self._stream = None
+
+    def queue(self, stream, ready=None, divisor: int = 1) -> HostMirror:
+        """Queue the copies to the host on ``stream`` (each source piece divided first)."""
+        self._stream = stream
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            self._sources = list(_chunking.pieces(self.source, self._chunk_bytes, divisor))
+            for piece, mirror in zip(self._sources, self.pieces):
+                mirror.copy_(piece, non_blocking=True)
+                self._arrived.append(torch.cuda.Event())
+                self._arrived[-1].record(stream)
+        self.source.record_stream(stream)
+        return self
+
+    def arrived(self, index: int) -> bool:
+        return self._arrived[index].query()
+
+    def wait(self, index: int) -> torch.Tensor:
+        self._arrived[index].synchronize()
+        return self.pieces[index]
+
+    def copy_back(self, index: int | None = None, stream=None) -> None:
+        """Queue piece ``index``'s (None: every piece's) copy into the device tensor."""
+        stream = self._stream if stream is None else stream
+        with torch.cuda.stream(stream):
+            for k in range(len(self.pieces)) if index is None else (index,):
+                self._sources[k].copy_(self.pieces[k], non_blocking=True)
 
 
 def _stage(inputs: tuple, outputs: tuple, host_only: bool = False, nonblocking: bool = False):
@@ -46,8 +103,16 @@ def _stage(inputs: tuple, outputs: tuple, host_only: bool = False, nonblocking: 
     pinned = torch.cuda.is_available()
     stand_ins: dict[int, torch.Tensor] = {}
 
+    mirrors: dict[int, HostMirror] = {}
+
     def stand_in(tensor, fill):
         if id(tensor) not in stand_ins:
+            if device_to_host and tensor.is_cuda and tensor.is_contiguous():
+                mirror = mirrors[id(tensor)] = HostMirror(tensor, tensor.nbytes or 1)
+                if fill:
+                    mirror.queue(torch.cuda.current_stream(tensor.device)).wait(0)
+                stand_ins[id(tensor)] = mirror.host
+                return mirror.host
             if device_to_host and tensor.is_cuda or _STAGE_CPU and not tensor.is_cuda:
                 copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             elif not tensor.is_contiguous():

@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from .. import comm as _comm
 from ..comm import chunking as _chunking
+from ..comm import staging as _staging
 from .. import cuda as _cuda
 from .. import runtime
 from .. import watchdog as _watchdog
@@ -149,24 +150,14 @@ class ThreadStrategy(_Strategy):
     def _staged(self, buffer: torch.Tensor, divisor: int, stream) -> None:
         """Allreduce a device bucket through pinned host memory, its chunks in a pipeline.
 
-        Every chunk's copy to the host is queued at once; MPI reduces chunk k
-        as soon as its copy is done, while later chunks are still crossing and
-        earlier results are copied back (all on the side stream, in order).
-        torch's pinned-memory cache hands the host block out again only once
-        the copies queued from it are done.
+        Every chunk's copy to the host is queued at once (``mpidp.comm.staging.HostMirror``);
+        MPI reduces chunk k as soon as its copy is done, while later chunks are still
+        crossing and earlier results are copied back (all on the side stream, in order).
         """
-        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-        pieces = list(self._pieces(buffer, divisor))
-        mirrors = list(_chunking.pieces(host, self.chunk_bytes))
-        arrived = []
-        for piece, mirror in zip(pieces, mirrors):
-            mirror.copy_(piece, non_blocking=True)
-            arrived.append(torch.cuda.Event())
-            arrived[-1].record(stream)
-        for piece, mirror, event in zip(pieces, mirrors, arrived):
-            event.synchronize()
-            _comm.allreduce(mirror, "sum", comm=self.pool)
-            piece.copy_(mirror, non_blocking=True)
+        mirror = _staging.HostMirror(buffer, self.chunk_bytes).queue(stream, divisor=divisor)
+        for index in range(len(mirror.pieces)):
+            _comm.allreduce(mirror.wait(index), "sum", comm=self.pool)
+            mirror.copy_back(index)
 
     def start(self, buffer: torch.Tensor, divisor: int = 1, pairs=None) -> None:
         ready = None

@@ -28,10 +28,11 @@ class Chunks:
         op: the reduce op's name in ``mpidp.comm``.
         comm: the group's chunk communicator.
         chunk_bytes: the most bytes a chunk holds.
-        stage_from: ``(device tensor, event recorded on the caller's stream)``: first
-            copy that tensor into ``tensor`` (pinned) on the progress thread's side
-            stream after the event, polled rather than waited on (rule 6). The caller
-            then returns at once, as autograd's thread must to keep queueing the backward.
+        stage_from: ``(mirror, event recorded on the caller's stream)``: ``tensor`` is the
+            ``mpidp.comm.staging.HostMirror``'s host copy of a device tensor, filled piece by
+            piece on the progress thread's side stream after the event; chunk k starts once
+            its piece has arrived, polled rather than waited on (rule 6). The caller then
+            returns at once, as autograd's thread must to keep queueing the backward.
 
     ``gate``, set by the caller: the call's fingerprint check (``mpidp.process_group.work.CallCheck``);
     the first chunk starts once it agrees, and a mismatch raises on every rank with no
@@ -40,32 +41,23 @@ class Chunks:
 
     def __init__(self, tensor: torch.Tensor, op: str, comm, chunk_bytes: int, *,
                  stage_from: tuple | None = None):
-        self.pieces = list(_chunking.pieces(tensor, chunk_bytes))
+        self._mirror, self._ready = stage_from if stage_from is not None else (None, None)
+        self.pieces = (self._mirror.pieces if self._mirror is not None
+                       else list(_chunking.pieces(tensor, chunk_bytes)))
         self.op, self.comm = op, comm
         self._next = 0
         self._handle: _comm.Handle | None = None
-        self._host = tensor
         self.moved = False  # a chunk started since the progress thread last looked
-        self._stage_from = stage_from
-        self._staged = None  # the side stream's event once the copy is queued
+        self._queued = False  # the mirror's copies are queued (progress thread)
         self.gate = None  # a work.CallCheck: no chunk starts before every rank agrees
 
-    def _staging_done(self) -> bool:
-        if self._stage_from is None:
+    def _arrived(self, index: int) -> bool:
+        if self._mirror is None:
             return True
-        source, ready = self._stage_from
-        if self._staged is None:
-            stream = _side_stream(source.device)
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                self._host.copy_(source, non_blocking=True)
-                source.record_stream(stream)
-                self._staged = torch.cuda.Event()
-                self._staged.record(stream)
-        if not self._staged.query():
-            return False
-        self._stage_from = None
-        return True
+        if not self._queued:
+            self._mirror.queue(_side_stream(self._mirror.source.device), self._ready)
+            self._queued = True
+        return self._mirror.arrived(index)
 
     def advance(self) -> bool:
         """Start the next chunk once the last one is done; True when all are (progress thread)."""
@@ -76,8 +68,6 @@ class Chunks:
             if error is not None:  # chunk counts may differ: none starts, on any rank
                 self._next = len(self.pieces)
                 raise error
-        if not self._staging_done():
-            return False
         while True:
             if self._handle is not None:
                 if not self._test_in_flight():
@@ -85,6 +75,8 @@ class Chunks:
                 self._handle = None
             if self._next == len(self.pieces):
                 return True
+            if not self._arrived(self._next):
+                return False
             # no MPIDP_DEBUG check per chunk: the gate checked the whole call, and that
             # check would be a collective step inside the progress loop's own test
             self._handle = _collectives._allreduce(self.pieces[self._next], self.op, self.comm,
@@ -111,11 +103,13 @@ class Chunks:
 
     def run(self) -> None:
         """All the chunks as blocking calls on this thread (below MPI_THREAD_MULTIPLE)."""
-        if self._stage_from is not None:
-            self._host.copy_(self._stage_from[0])  # on the caller's stream, synchronously
-            self._stage_from = None
-        for piece in self.pieces[self._next:]:
-            _collectives._allreduce(piece, self.op, self.comm, False, debug=False)
+        if self._mirror is not None and not self._queued:  # on the caller's stream
+            self._mirror.queue(torch.cuda.current_stream(self._mirror.source.device))
+            self._queued = True
+        for index in range(self._next, len(self.pieces)):
+            if self._mirror is not None:
+                self._mirror.wait(index)
+            _collectives._allreduce(self.pieces[index], self.op, self.comm, False, debug=False)
         self._next = len(self.pieces)
 
     def in_flight(self) -> list:

@@ -20,6 +20,7 @@ from .. import comm as _comm
 from .. import cuda as _cuda
 from . import work as _work
 from .chunks import Chunks
+from ..comm import staging as _staging
 from ..comm.chunking import chunk_bytes
 from .operands import (
     _as_moved, _check_dtypes, _check_same_sizes, _check_world_list, _detached, _flat, _one,
@@ -91,12 +92,15 @@ class Operations:
             _comm._check_same_call(_comm._collective_comm(self._pool), "allreduce", self._async,
                                    op=repr(op), dtype=_comm.dtypes._dtype_name(tensor.dtype),
                                    numel=tensor.numel())
-        if tensor.is_cuda and not _cuda.takes_device_memory(nonblocking=True) and self._async:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        if (tensor.is_cuda and tensor.is_contiguous() and self._async
+                and not _cuda.takes_device_memory(nonblocking=True)):
+            mirror = _staging.HostMirror(tensor, nbytes)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
-            chunks = Chunks(host, op, self._chunk_comm, nbytes, stage_from=(tensor, ready))
-            finish = lambda: tensor.copy_(host, non_blocking=True)  # noqa: E731
+            chunks = Chunks(mirror.host, op, self._chunk_comm, nbytes, stage_from=(mirror, ready))
+            # back on the stream of the progress thread, which Work._record_events records
+            back = functools.partial(torch.cuda.current_stream, tensor.device)
+            finish = lambda: mirror.copy_back(stream=back())  # noqa: E731
         else:
             _, (staged,), finish = _comm._stage((tensor,), (tensor,))
             chunks = Chunks(staged, op, self._chunk_comm, nbytes)
