@@ -575,6 +575,40 @@ def test_torch_compile_of_the_wrapper_trains_like_eager():
     assert explained.graph_count == 1 and explained.op_count >= 5  # the model in one graph
 
 
+@pytest.mark.parametrize("kind", ["zero-1", "zero-2", "horovod"])
+def test_torch_compile_with_zero_or_horovods_optimizer_trains_like_eager(kind):
+    """torch.compile of the model with mpidp's ZeroRedundancyOptimizer (around its DDP) or
+    mpidp.horovod's DistributedOptimizer (gradient hooks in the compiled backward): the
+    parameters of one process training on the whole batch (issue 30)."""
+    import mpidp.horovod as hvd
+    torch._dynamo.reset()
+    model = seeded(mlp)
+    local = reference_copy(model)
+    if kind.startswith("zero"):
+        ddp = mpidp.DistributedDataParallel(model)
+        opt = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05,
+                                            stage=int(kind[-1]))
+        compiled = torch.compile(ddp, backend="aot_eager")
+    else:
+        hvd.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters())
+        compiled = torch.compile(model, backend="aot_eager")
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = inputs("mlp", step)
+        opt.zero_grad()
+        loss_of("mlp", compiled(shard(x)), shard(y)).backward()
+        opt.step()
+        local_opt.zero_grad()
+        loss_of("mlp", local(x), y).backward()
+        local_opt.step()
+    diff = max_rel_diff(model, local)
+    report(f"torch-compile-{kind}", diff)
+    assert diff < 1e-5
+
+
 @pytest.mark.parametrize("bad", [dict(bucket_cap_mb=-1), dict(overlap="sideways"),
                                  dict(pool_size=0), dict(module="not a module")],
                          ids=["bucket_cap_mb", "overlap", "pool_size", "module"])
