@@ -61,3 +61,4 @@ if not runtime.in_multiprocessing_child():
     topology._apply_default_threads()  # collective over the node: each rank's share of cores
     cuda._start_up()  # pins this rank's GPU and decides, on every rank alike, how MPI sees it
     rendezvous.start_up()  # collective: the MPI store's communicator (a TCP server only if asked); RANK, MASTER_ADDR, ... exported
+    preemption.keep_early()  # SIGUSR1/SIGUSR2 set the stop flag from now on (MPICH swallowed them)

@@ -36,7 +36,8 @@ from mpi4py import MPI
 from .comm import agreement
 from . import runtime, stacks
 
-__all__ = ["EXIT_STATUS", "DEFAULT_SIGNALS", "signal_numbers", "arm", "disarm", "armed", "requested", "received",
+__all__ = ["EXIT_STATUS", "DEFAULT_SIGNALS", "EARLY_SIGNALS", "signal_numbers", "arm", "keep_early", "disarm", "armed",
+           "requested", "received",
            "clear", "agree_stop", "agreed_by", "exit_for_requeue"]
 
 EXIT_STATUS = 75
@@ -107,14 +108,48 @@ def arm(signals=DEFAULT_SIGNALS) -> tuple[int, ...]:
         previous = signal.signal(number, _handler)
         if previous is not _handler:
             _previous[number] = previous
+        elif number in _early and number not in _previous:  # kept since import: default after
+            _previous[number] = signal.SIG_DFL
     stacks.rearm()  # signal.signal replaced faulthandler's stack dump (MPIDP_TRACE_SIGNALS)
     return numbers
+
+
+EARLY_SIGNALS = ("SIGUSR1", "SIGUSR2")
+
+
+def keep_early() -> tuple[int, ...]:
+    """At ``import mpidp``: SIGUSR1 and SIGUSR2 set the stop flag from then on (main thread).
+
+    A scheduler's warning (``--signal=USR1@T``) may come before any ``arm``: during
+    start-up, or in a job whose ``Checkpointer`` is made later. MPICH takes SIGUSR1 at
+    ``MPI_Init`` and does nothing with it (measured: the signal was lost, and such a run
+    finished as if never warned; 3 of 40 runs of tests/preempt_soak.py with USR1);
+    other libraries leave it to end the process. Either way the warning was lost; kept,
+    the first ``arm`` (a ``Checkpointer``) finds it and stops at the first step. A
+    handler the user installed is left alone, and so is SIGTERM, whose default (end the
+    process) a job without a ``Checkpointer`` relies on.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return ()
+    kept = []
+    for number in signal_numbers(EARLY_SIGNALS):
+        if signal.getsignal(number) in (signal.SIG_DFL, None):
+            signal.signal(number, _handler)
+            _early.add(number)
+            kept.append(number)
+    stacks.rearm()  # signal.signal replaced faulthandler's stack dump (MPIDP_TRACE_SIGNALS)
+    return tuple(kept)
+
+
+_early: set[int] = set()  # signals keep_early gave the flag's handler (their old action: default)
 
 
 def disarm() -> None:
     """Give every armed signal back the handler it had before ``arm`` (local)."""
     while _previous:
         number, previous = _previous.popitem()
+        if number in _early:  # back to what import made it: the flag's, as before arm()
+            continue
         signal.signal(number, previous if previous is not None else signal.SIG_DFL)
     stacks.rearm()
 

@@ -89,6 +89,23 @@ def test_signal_on_one_rank_stops_every_rank_at_the_next_ddp_step(directory, sig
     checkpointer.close()
 
 
+def test_a_usr1_before_any_checkpointer_is_kept_and_the_first_step_stops(directory):
+    """MPICH takes SIGUSR1 at MPI_Init and does nothing with it: a scheduler's warning that
+    came before the Checkpointer was lost, and the run went on as if never warned (seen in
+    tests/preempt_soak.py). mpidp keeps it from import on (preemption.keep_early)."""
+    if RANK == LAST:
+        os.kill(os.getpid(), signal.SIGUSR1)  # delivered at the next bytecode, in this thread
+    assert preemption.requested() == (RANK == LAST)
+    ddp = mpidp.DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    checkpointer = mpidp.Checkpointer(directory, model=ddp, optimizer=optimizer,
+                                      exit_on_stop=False)
+    stopped = _run_until_stop(checkpointer, ddp, optimizer, signal_at=0, signum=signal.SIGUSR1)
+    assert COMM.allgather(stopped) == [1] * SIZE
+    assert latest_checkpoint(directory)[1]["step"] == 1
+    checkpointer.close()
+
+
 def test_without_ddp_a_small_allreduce_agrees_at_the_same_step(directory):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
