@@ -48,8 +48,8 @@ class Decision:
     Open MPI reads device memory in point-to-point calls and blocking collectives only:
     its documentation lists the nonblocking collectives among the calls that do not
     work with CUDA-aware support, and an ``MPI_Iallreduce`` of device memory crashed
-    inside its reduction (Open MPI 4.1.4 built with CUDA, an H200, 2026-11-27). Those
-    calls are staged through host memory there.
+    inside its reduction (bench/reports/gpu-2026-11-27). Those calls are staged through
+    host memory there.
     """
 
     cuda_aware: bool

@@ -122,8 +122,8 @@ def keep_early() -> tuple[int, ...]:
 
     A scheduler's warning (``--signal=USR1@T``) may come before any ``arm``: during
     start-up, or in a job whose ``Checkpointer`` is made later. MPICH takes SIGUSR1 at
-    ``MPI_Init`` and does nothing with it (measured: the signal was lost, and such a run
-    finished as if never warned; 3 of 40 runs of tests/preempt_soak.py with USR1);
+    ``MPI_Init`` and does nothing with it (the signal was lost, and such a run finished as
+    if never warned: bench/reports/preempt-2026-11-27);
     other libraries leave it to end the process. Either way the warning was lost; kept,
     the first ``arm`` (a ``Checkpointer``) finds it and stops at the first step. A
     handler the user installed is left alone, and so is SIGTERM, whose default (end the
