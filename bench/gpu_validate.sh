@@ -18,7 +18,12 @@
 #   bench: bench/kernel_bench.py, and bench/train_bench.py --device cuda at 2 ranks
 #          on one GPU (mpidp vs torch's DDP over the mpidp backend and over gloo; MODELS and
 #          MODES change the models and modes), as decided and (CUDA-aware libraries) staged;
-#   others: the check files with GPU parts beyond check_gpu (horovod, rendezvous, shm);
+#   others: the check files with GPU parts beyond check_gpu (horovod, rendezvous, shm), as
+#          decided and staged (the test that starts its own mpiexec is left out: GPU machines
+#          have no ssh agent for a nested Open MPI launch);
+#   doctor: python -m mpidp doctor at 1 rank (must pass), 2 ranks on one GPU and 2 ranks of
+#          which one sees no GPU (both must fail, naming it);
+#   store: bench/store_startup.py with NCCL at 1 and 2 ranks, the store over MPI and over TCP;
 #   profile: bench/gpu_profile.py on mlp (mpidp and torch's DDP over the mpidp backend);
 #   suite: the whole test suite with the GPU visible.
 set -uo pipefail
@@ -96,8 +101,25 @@ allreduce)
         2>&1 | tee "$out/bench_allreduce.txt"
     ;;
 others)
-    timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs tests/mpi/check_horovod.py \
-        tests/mpi/check_rendezvous.py tests/mpi/check_shm.py 2>&1 | tee "$out/tests_others.txt"
+    for staged in unset 0; do
+        echo "== MPIDP_CUDA_AWARE=$staged" | tee -a "$out/tests_others.txt"
+        env $( [ "$staged" = 0 ] && echo MPIDP_CUDA_AWARE=0 ) timeout ${T:-300} $launcher -n 2 \
+            $py -m pytest -q -p no:cacheprovider -rs tests/mpi/check_horovod.py \
+            tests/mpi/check_rendezvous.py tests/mpi/check_shm.py -k "not torchrun_style" \
+            2>&1 | tee -a "$out/tests_others.txt"
+    done
+    ;;
+doctor)
+    for case in "-n 1 $py -m mpidp doctor" "-n 2 $py -m mpidp doctor" \
+                "-n 1 $py -m mpidp doctor : -n 1 env CUDA_VISIBLE_DEVICES= $py -m mpidp doctor"; do
+        echo "== mpiexec $case" | tee -a "$out/doctor.txt"
+        timeout 120 $launcher $case 2>&1 | tee -a "$out/doctor.txt"
+        echo "rc ${PIPESTATUS[0]}" | tee -a "$out/doctor.txt"
+    done
+    ;;
+store)
+    timeout ${T:-300} $py bench/store_startup.py --ranks 1 2 --launches ${LAUNCHES:-3} --backends nccl \
+        2>&1 | tee "$out/store_startup.txt"
     ;;
 bench)
     timeout 300 $py bench/kernel_bench.py --out "$out/kernel.jsonl" 2>&1 | tee "$out/bench_kernel.txt"

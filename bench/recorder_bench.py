@@ -39,7 +39,7 @@ def record_cost() -> dict:
     label = ("allreduce", tensor, "op", "sum")
 
     def recorded():
-        recorder.ended(handle._record(comm, label, None, False))
+        recorder.ended(handle._record(comm, "Allreduce", label, None, False))
 
     best = {}
     for on in (True, False):

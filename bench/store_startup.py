@@ -4,6 +4,7 @@ Each launch is a fresh job (the store starts once per process); the two stores
 take turns, launch after launch, so load on the machine falls on both alike::
 
     python bench/store_startup.py --ranks 2 4 8 --launches 5 --backends mpidp gloo
+    python bench/store_startup.py --ranks 1 2 --launches 3 --backends nccl   # on a GPU
 
 Per launch, every rank times ``import mpidp`` and then the first and second
 ``mpidp.init_process_group(backend)`` (destroyed in between); rank 0 prints the
@@ -16,12 +17,20 @@ one store's start or the other's by where the allocations crossed Python's
 threshold). ``--idle S`` then keeps a group and the store idle for
 S seconds and reports the CPU time rank 0's process used meanwhile (the store
 thread's polls, over MPI) as a percentage of one core.
+
+NCCL: every rank takes its local GPU and passes ``device_id``, so NCCL makes its
+communicator inside the start (rank 0 hands its unique id to the others through
+the store), and an all_reduce checks the group. Ranks that share one GPU are
+given different ``NCCL_HOSTID``s: NCCL then takes them for different hosts (its
+check "Duplicate GPU detected" passes) and they talk over sockets. mpiexec is the
+one beside python, else the one on PATH (``$MPIEXEC_ARGS`` are added to it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import gc
+import os
 import time
 started = time.perf_counter()
 import mpidp
@@ -43,17 +53,29 @@ def barrier():  # sleeps while it waits, unlike MPI_Barrier
     while not request.Test():
         time.sleep(0.001)
 
+extra = {}
+if BACKEND == "nccl":
+    import torch
+    rank = MPI.COMM_WORLD.Get_rank()
+    os.environ["NCCL_HOSTID"] = f"mpidp-bench-{rank}"  # one GPU, several ranks: see the docstring
+    extra["device_id"] = mpidp.cuda.local_device()
+    torch.cuda.set_device(extra["device_id"])
+
 times = [imported]
 for _ in range(2):
     gc.collect()  # else a full collection of torch's heap (~250 ms) lands in whichever start
     MPI.COMM_WORLD.Barrier()  # crosses the threshold first: seen in both stores' starts
     t = time.perf_counter()
-    mpidp.init_process_group(BACKEND)
+    mpidp.init_process_group(BACKEND, **extra)
     times.append(time.perf_counter() - t)
+    if BACKEND == "nccl":
+        ones = torch.ones(4, device=extra["device_id"])
+        dist.all_reduce(ones)
+        assert ones.tolist() == [float(MPI.COMM_WORLD.Get_size())] * 4, ones
     barrier()  # gloo: a rank that destroys its group while a peer still connects
     dist.destroy_process_group()  # fails the peer's start ("Connection closed by peer")
 if IDLE:
-    mpidp.init_process_group(BACKEND)
+    mpidp.init_process_group(BACKEND, **extra)
     barrier()
     cpu, wall = time.process_time(), time.perf_counter()
     time.sleep(IDLE)  # every thread of mpidp's stays up: the store thread, the watchdog
@@ -67,10 +89,11 @@ if MPI.COMM_WORLD.Get_rank() == 0:
 
 
 def launch(ranks: int, store: str, backend: str, idle: float) -> list[float]:
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    beside = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec")
     env = dict(os.environ, MPIDP_STORE=store, OMP_NUM_THREADS="1")
     code = CHILD.replace("BACKEND", repr(backend)).replace("IDLE", repr(idle))
-    done = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c", code], env=env,
+    done = subprocess.run([mpiexec, *os.environ.get("MPIEXEC_ARGS", "").split(), "-n", str(ranks), sys.executable, "-c", code], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((l for l in done.stdout.splitlines() if l.startswith("TIMES")), None)
     if line is None:

@@ -64,7 +64,8 @@ from .. import runtime
 from .server import (
     _ADD, _ANSWER, _APPEND, _CAS, _CHECK, _DELETE, _ERROR, _GRACE_SECONDS, _HEAD, _INLINE_BYTES,
     _MULTI_GET, _MULTI_SET, _NUM_KEYS, _SET, _TAG_REQUEST, _TAG_SLOTS, _TIMEOUT, _WAIT, _Service,
-    _CALLER_LONGEST, _Table, _bytes, _next_pause, _pack, _seconds, _timed_out, _unpack,
+    _CALLER_LONGEST, _SLACK_NS, _Table, _bytes, _next_pause, _pack, _seconds, _timed_out,
+    _timer_slack, _unpack,
 )
 
 __all__ = ["MPIStore", "start", "started"]
@@ -140,14 +141,21 @@ class _Client:
 
     @staticmethod
     def _wait(request: MPI.Request, limit: float | None, status: MPI.Status) -> bool:
-        pause = 0.0
-        while not request.Test(status):  # pausing from the first miss (server.py: Polling)
-            now = time.monotonic()
-            if limit is not None and now > limit:
-                return False
-            pause = _next_pause(pause, _CALLER_LONGEST)
-            time.sleep(pause)
-        return True
+        if request.Test(status):
+            return True
+        had = _timer_slack(_SLACK_NS)  # the caller's thread, while it polls (server.py: Timer slack)
+        try:
+            pause = 0.0
+            while not request.Test(status):  # pausing from the first miss (server.py: Polling)
+                now = time.monotonic()
+                if limit is not None and now > limit:
+                    return False
+                pause = _next_pause(pause, _CALLER_LONGEST)
+                time.sleep(pause)
+            return True
+        finally:
+            if had is not None:
+                _timer_slack(had)
 
 
 # -- the store ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ rules the store thread follows are in ``mpidp.store``'s docstring and docs/concu
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import struct
 import sys
@@ -39,6 +40,32 @@ _GRACE_SECONDS = 30.0  # past a parked operation's timeout: rank 0 must have ans
 # of 5, bench/store_startup.py; at 2 and 4 ranks the difference was within the noise).
 _PAUSES = ((0.05, 250e-6), (1.0, 0.001), (10.0, 0.020), (float("inf"), 0.100))  # (quiet <, longest)
 _CALLER_LONGEST = 0.001  # a caller's limit: with 250 us, 7 ranks polling took most of 2 cores
+
+
+# Timer slack: Linux ends a thread's sleep up to its timer slack (50 us by default) after the time
+# asked, so each pause above lasted about 50 us longer than it says, on both sides of a round trip.
+# Polling threads set a slack of _SLACK_NS while they poll: the store thread for its life, a
+# caller only while it waits for its answer (its thread is the program's: the slack it had comes
+# back). A get from rank 1 at 2 ranks (mpich wheel, 2 cores) took 136 us with the default slack
+# on both sides and 90 us with 1 us on both (medians, alternating launches; docs/performance.md).
+_SLACK_NS = 1000
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _timer_slack(nanoseconds: int) -> int | None:
+    """Set the calling thread's timer slack; return the one it had (None where not Linux)."""
+    if _prctl is None:
+        return None
+    had = _prctl(_PR_GET_TIMERSLACK, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                 ctypes.c_ulong(0))
+    if had <= 0 or _prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(nanoseconds), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        return None
+    return had
 
 
 def _next_pause(pause: float, longest: float) -> float:
@@ -239,6 +266,7 @@ class _Service:
         return self.comm.Irecv([self.inboxes[index], MPI.BYTE], self.peers[index], _TAG_REQUEST)
 
     def _run(self) -> None:
+        _timer_slack(_SLACK_NS)  # this thread's own: it polls all its life
         try:
             self._serve_until_stopped()
         except Exception as error:  # never die silently: every peer would wait for its timeout

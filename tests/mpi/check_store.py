@@ -180,6 +180,35 @@ def test_two_stores_on_two_threads_with_collectives_in_flight(store):
     assert result == [sum(SIZE * (SIZE - 1) // 2 + SIZE * step for step in range(50))]
 
 
+def _slack_of(native_id: int) -> int:
+    with open(f"/proc/{native_id}/timerslack_ns") as f:
+        return int(f.read())
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{threading.get_native_id()}/timerslack_ns"),
+                    reason="Linux's per-thread timer slack")
+def test_polling_threads_take_a_fine_timer_slack_and_a_caller_gets_its_own_back(store):
+    """mpidp/store/server.py, "Timer slack": the store thread polls with 1 us for its life; a
+    caller's thread only while it waits for an answer that did not come at once."""
+    own = 77_000  # ns: this test's own value for the calling thread
+    before = _slack_of(threading.get_native_id())
+    with open(f"/proc/{threading.get_native_id()}/timerslack_ns", "w") as f:
+        f.write(str(own))
+    try:
+        if RANK == 1:
+            store.get("late")  # rank 0 sets it 50 ms later: this caller polls meanwhile
+        elif RANK == 0:
+            time.sleep(0.05)
+            store.set("late", "now")
+            from mpidp.store import _shared
+            assert _slack_of(_shared.service.thread.native_id) == 1000
+        WORLD.Barrier()
+        assert _slack_of(threading.get_native_id()) == own
+    finally:
+        with open(f"/proc/{threading.get_native_id()}/timerslack_ns", "w") as f:
+            f.write(str(before))
+
+
 @pytest.mark.parametrize("barrier", ["0", "1"])
 def test_gloo_monitored_barrier_and_new_group_over_the_mpi_store(barrier, monkeypatch):
     monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", barrier)
