@@ -53,6 +53,8 @@ def barrier():  # sleeps while it waits, unlike MPI_Barrier
     while not request.Test():
         time.sleep(0.001)
 
+if WARM:  # the "mpidp" backend's first start loads torch._dynamo: seconds, alike over both stores
+    import torch._dynamo
 extra = {}
 if BACKEND == "nccl":
     import torch
@@ -88,11 +90,12 @@ if MPI.COMM_WORLD.Get_rank() == 0:
 """
 
 
-def launch(ranks: int, store: str, backend: str, idle: float) -> list[float]:
+def launch(ranks: int, store: str, backend: str, idle: float, warm: bool = False) -> list[float]:
     beside = Path(sys.executable).parent / "mpiexec"
     mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec")
     env = dict(os.environ, MPIDP_STORE=store, OMP_NUM_THREADS="1")
-    code = CHILD.replace("BACKEND", repr(backend)).replace("IDLE", repr(idle))
+    code = (CHILD.replace("BACKEND", repr(backend)).replace("IDLE", repr(idle))
+            .replace("WARM", repr(warm)))
     done = subprocess.run([mpiexec, *os.environ.get("MPIEXEC_ARGS", "").split(), "-n", str(ranks), sys.executable, "-c", code], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((l for l in done.stdout.splitlines() if l.startswith("TIMES")), None)
@@ -107,6 +110,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--backends", nargs="+", default=["mpidp", "gloo"])
+    parser.add_argument("--warm", action="store_true",
+                        help="import torch._dynamo before the first start (the 'mpidp' backend's "
+                             "first start loads it: seconds that drown the store's part)")
     parser.add_argument("--idle", type=float, default=0.0,
                         help="seconds of an idle store after the starts; rank 0's CPU meanwhile")
     args = parser.parse_args()
@@ -118,7 +124,7 @@ def main() -> None:
             results: dict[str, list[list[float]]] = {"mpi": [], "tcp": []}
             for _ in range(args.launches):
                 for store in results:
-                    results[store].append(launch(ranks, store, backend, args.idle))
+                    results[store].append(launch(ranks, store, backend, args.idle, args.warm))
             for store, runs in results.items():
                 medians = [statistics.median(run[i] for run in runs) for i in range(len(runs[0]))]
                 idle = f"  {medians[3] * 100:15.2f} %" if args.idle else ""
