@@ -28,9 +28,10 @@ from watchdog_bench import COMM, ddp_step_row
 
 def record_cost(world: int) -> dict:
     """ns per step of the record's own work (one process), for a world of ``world`` ranks."""
-    record = Stragglers(0, world, 100.0, 5)
-    slots = torch.zeros(world, dtype=torch.int64).numpy()
-    summed = torch.arange(1000, 1000 + world, dtype=torch.int64)  # no rank late
+    record = Stragglers(0, world, 100.0, 5, 0.1)
+    extra = Stragglers.SLOTS_BEYOND_RANKS
+    slots = torch.zeros(world + extra, dtype=torch.int64).numpy()
+    summed = torch.arange(1000, 1000 + world + extra, dtype=torch.int64)  # no rank late
     record.waited(1, 0.001)
 
     def step():
@@ -53,7 +54,8 @@ def bind(ddp):
 
     def toggle(on: bool, _parts=()) -> None:
         reducer.stragglers = record if on else None
-        reducer._used = torch.zeros(n + 5 + (reducer.world if on else 0), dtype=torch.int64)
+        extra = reducer.world + Stragglers.SLOTS_BEYOND_RANKS if on else 0
+        reducer._used = torch.zeros(n + 5 + extra, dtype=torch.int64)
         reducer._used_flags = reducer._used.numpy()
 
     return toggle

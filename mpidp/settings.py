@@ -82,6 +82,8 @@ _DECLARED = (
             choices=("mpi", "tcp", "local")),
     Setting("MPIDP_STRAGGLER_MS", "number", 100.0, "use",
             "a rank this many ms later than the earliest at the end of most steps is named a straggler (0: off)"),
+    Setting("MPIDP_STRAGGLER_SHARE", "number", 0.1, "use",
+            "a rank is late at a step only when also this share of the step's time late (0: MPIDP_STRAGGLER_MS alone)"),
     Setting("MPIDP_STRAGGLER_STEPS", "integer", 5, "use",
             "the synced steps a rank's lateness is judged over", minimum=1),
     Setting("MPIDP_TRACE_DIR", "text", None, "use",

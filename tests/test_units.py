@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -349,3 +350,26 @@ def test_a_datatype_the_library_lacks_is_not_taken_for_a_native_one():
     assert not dtypes._usable(MPI.DATATYPE_NULL, torch.float32)
     assert not dtypes._usable(MPI.DOUBLE, torch.float32)  # the size must match the dtype's
     assert dtypes._usable(MPI.FLOAT, torch.float32) and dtypes._usable(MPI.C_BOOL, torch.bool)
+
+
+def _straggler_run(share: float, step_ms: float, late_ms: float, steps: int = 4) -> dict:
+    """A 2-rank straggler record fed the sums the bookkeeping allreduce would give: rank 1
+    ``late_ms`` late at every step of ``step_ms`` (each rank's period in the last slot)."""
+    from mpidp.ddp.stragglers import Stragglers
+    record = Stragglers(0, 2, threshold_ms=100.0, steps=3, share=share)
+    for step in range(steps):
+        record.waited(step, None)
+        period_us = 0 if step == 0 else int(step_ms * 1e3)
+        # rank 0 waits late_ms for rank 1, which waits almost nothing; both report a period
+        record.read(np.array([int(late_ms * 1e3) + 1000, 1000, 2 * period_us], dtype=np.int64))
+    return record.named
+
+
+def test_a_straggler_is_late_by_the_ms_threshold_and_by_a_share_of_the_step():
+    """mpidp.ddp.stragglers: 150 ms late is named on 300 ms steps, not on 2 s steps with a
+    share of 0.1 (200 ms); a share of 0 keeps the ms threshold alone; 50 ms is never named."""
+    assert list(_straggler_run(0.1, 300.0, 150.0)) == [1]
+    assert _straggler_run(0.1, 2000.0, 150.0) == {}
+    assert list(_straggler_run(0.0, 2000.0, 150.0)) == [1]
+    assert _straggler_run(0.1, 300.0, 50.0) == {}
+    assert _straggler_run(0.0, 300.0, 50.0) == {}

@@ -97,7 +97,7 @@ class Reducer(BucketLayout, BucketLauncher):
             do it several times) and which are unused, then rely on it.
         timeout: seconds each collective of a step may wait before the stall
             watchdog reports it (0: never); None: the process-wide timeout.
-        stragglers: ``(threshold_ms, steps)`` of ``mpidp.ddp.stragglers`` (threshold 0:
+        stragglers: ``(threshold_ms, steps, share)`` of ``mpidp.ddp.stragglers`` (threshold 0:
             lateness is neither measured nor carried); equal on every rank.
     """
 
@@ -107,7 +107,8 @@ class Reducer(BucketLayout, BucketLauncher):
                  overlap: str = "auto", chunk_bytes: int | None = None,
                  solo_bytes: int | None = None, sparse: Sequence[int] = (),
                  static_graph: bool = False, timeout: float | None = None,
-                 shared: "_shm.Node | None" = None, stragglers: tuple[float, int] = (0, 1)):
+                 shared: "_shm.Node | None" = None,
+                 stragglers: tuple[float, int, float] = (0, 1, 0.0)):
         self.names = [name for name, _ in named_params]
         self.timeout = timeout
         self.params = [param for _, param in named_params]
@@ -140,12 +141,13 @@ class Reducer(BucketLayout, BucketLauncher):
         self._build(self._assign())
         n = len(self.params)
         # counts per parameter, then [failed, step number, its square, joined, stop
-        # requested], then one slot per rank for its last wait (stragglers)
-        threshold_ms, steps = stragglers
-        self.stragglers = (Stragglers(control.Get_rank(), self.world, threshold_ms, steps)
+        # requested], then one slot per rank for its last wait and one for the step's time
+        # (stragglers)
+        threshold_ms, steps, share = stragglers
+        self.stragglers = (Stragglers(control.Get_rank(), self.world, threshold_ms, steps, share)
                            if threshold_ms > 0 else None)
-        self._used = torch.zeros(n + 5 + (self.world if self.stragglers else 0),
-                                 dtype=torch.int64)
+        extra = self.world + Stragglers.SLOTS_BEYOND_RANKS if self.stragglers else 0
+        self._used = torch.zeros(n + 5 + extra, dtype=torch.int64)
         self._used_flags = self._used.numpy()
         # Preemption rides on the bookkeeping (mpidp.preemption): how many ranks had
         # a stop requested when the last one was summed, and how many were summed.
