@@ -572,6 +572,20 @@ def test_framework_example_runs_on_two_ranks(command, request):
     assert FRAMEWORK_EXAMPLES[command] in out, out[-3000:]
 
 
+def test_accelerates_own_self_test_passes_under_python_m_mpidp_run():
+    """What `accelerate test` runs (accelerate.test_utils.scripts.test_script), unchanged, on 2
+    ranks through `python -m mpidp run -m`, on the CPU (ACCELERATE_USE_CPU: docs/launch.md)."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("needs the frameworks extra (accelerate)")
+    out = launch.run(2, ["-m", "mpidp", "run", "-m", "accelerate.test_utils.scripts.test_script"],
+                     timeout=240, env={"ACCELERATE_USE_CPU": "true"}).stdout
+    assert out.count("Num processes: 2") == 2, out[-3000:]
+    assert "Distributed environment: DistributedType.MULTI_CPU" in out, out[-3000:]
+    assert "Training yielded the same results on one CPU or distributed setup with batch split." \
+        in out, out[-3000:]
+    assert "**Test reinstantiated state**" in out, out[-3000:]
+
+
 def test_torch_fsdp_example_equals_one_process(two_rank_examples):
     """torch's FSDP2 over the "mpidp" backend; the script itself checks its final model."""
     out = two_rank_examples[1]["examples/torch_fsdp.py --steps 30"]
