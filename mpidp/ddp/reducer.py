@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import time
 from collections.abc import Sequence
 
@@ -282,6 +283,15 @@ class Reducer(BucketLayout, BucketLauncher):
             self._queue_end(step, task)
 
     def _queue_end(self, step: Step, task: int) -> None:
+        compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # never imported here
+        if compiled_autograd is not None and (compiled_autograd.compiled_autograd_enabled
+                                              or compiled_autograd.in_compiled_autograd_region):
+            raise RuntimeError(
+                "mpidp.DistributedDataParallel does not run under compiled autograd: it ends a "
+                "step with an end-of-backward callback, which compiled autograd allows only in "
+                "one full graph; call backward() outside compiled_autograd._enable, or use torch's "
+                "DistributedDataParallel over the \"mpidp\" backend with "
+                "torch._dynamo.config.optimize_ddp=\"python_reducer\" (docs/ddp.md)")
         step.task = task
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(self._end_of_backward, step, task))

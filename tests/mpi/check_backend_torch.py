@@ -296,31 +296,42 @@ def test_zero_redundancy_optimizer_matches_single_process_and_gloo(groups, optim
 def test_torch_ddp_under_torch_compile_matches_one_process_and_gloo(groups, compiler,
                                                                     compiled_autograd):
     """torch.compile(DDP(model)) over "mpidp" (issue 30): dynamo runs the group's operations as
-    they are, between graphs; the result equals one process and gloo, with no more graph breaks."""
+    they are, between graphs; the result equals one process and gloo, with no more graph breaks.
+    Compiled autograd as torch 2.13 takes it for DDP: its Python reducer
+    (``optimize_ddp="python_reducer"``, read when DDP is built) and the backward under
+    ``compiled_autograd._enable``; the capture is counted, so the form cannot pass untried."""
     import torch._dynamo
+    from torch._dynamo import compiled_autograd as ca
     from torch._dynamo.utils import counters
-    modules, breaks = {}, {}
-    patch = torch._dynamo.config.patch(compiled_autograd=compiled_autograd)
+    modules, breaks, captures = {}, {}, {}
+    mode = "python_reducer" if compiled_autograd else torch._dynamo.config.optimize_ddp
     for name, group in groups.items():
         torch._dynamo.reset()
         counters.clear()
-        ddp = DDP(net(), process_group=group)
-        compiled = torch.compile(ddp, backend=compiler)
-        opt = OPTIMIZERS["sgd"](ddp.parameters())
-        with patch:
+        with torch._dynamo.config.patch(optimize_ddp=mode):
+            ddp = DDP(net(), process_group=group)
+            compiled = torch.compile(ddp, backend=compiler)
+            opt = OPTIMIZERS["sgd"](ddp.parameters())
             for step in range(STEPS):
                 opt.zero_grad()
                 x, y = batch(step)
-                F.mse_loss(compiled(shard(x)), shard(y)).backward()
+                loss = F.mse_loss(compiled(shard(x)), shard(y))
+                if compiled_autograd:
+                    with ca._enable(torch.compile(backend=compiler)):
+                        loss.backward()
+                else:
+                    loss.backward()
                 opt.step()
         modules[name] = ddp.module
         breaks[name] = sum(counters["graph_break"].values())
+        captures[name] = counters["compiled_autograd"]["captures"]
     vs_single = max_rel_diff(modules["mpidp"], single())
     vs_gloo = max_rel_diff(modules["mpidp"], modules["gloo"])
-    report(f"ddp-compile-{compiler}-ca{int(compiled_autograd)} graph_breaks={breaks}", vs_single,
-           vs_gloo)
+    report(f"ddp-compile-{compiler}-ca{int(compiled_autograd)} graph_breaks={breaks} "
+           f"captures={captures}", vs_single, vs_gloo)
     assert vs_single < TIGHT and vs_gloo < TIGHT
     assert breaks["mpidp"] <= breaks["gloo"], breaks
+    assert all(count > 0 for count in captures.values()) == compiled_autograd, captures
 
 
 def test_functional_collectives_over_mpidp_eager_and_compiled(groups):

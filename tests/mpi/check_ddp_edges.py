@@ -609,6 +609,30 @@ def test_torch_compile_with_zero_or_horovods_optimizer_trains_like_eager(kind):
     assert diff < 1e-5
 
 
+def test_compiled_autograd_is_refused_with_a_clear_error_and_the_next_step_is_right():
+    """Compiled autograd allows the end-of-backward callback that ends mpidp's DDP step only in
+    one full graph: every rank raises mpidp's error at the step's first hook, before any of the
+    step's collectives, and an eager step after it trains as one process does (issue 30)."""
+    from torch._dynamo import compiled_autograd as ca
+    torch._dynamo.reset()
+    model = seeded(mlp)
+    local = reference_copy(model)
+    ddp = mpidp.DistributedDataParallel(model)
+    x, y = inputs("mlp", 0)
+    loss = loss_of("mlp", ddp(shard(x)), shard(y))
+    with pytest.raises(RuntimeError, match="does not run under compiled autograd") as caught:
+        with ca._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+    agree_on_every_rank(str(caught.value).splitlines()[0])
+    ddp.zero_grad(set_to_none=True)
+    opt, local_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, local))
+    loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+    opt.step()
+    loss_of("mlp", local(x), y).backward()
+    local_opt.step()
+    assert max_rel_diff(model, local) < 1e-5
+
+
 @pytest.mark.parametrize("bad", [dict(bucket_cap_mb=-1), dict(overlap="sideways"),
                                  dict(pool_size=0), dict(module="not a module")],
                          ids=["bucket_cap_mb", "overlap", "pool_size", "module"])
