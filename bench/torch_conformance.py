@@ -21,7 +21,8 @@ for gloo (its decorators and the tests' own ``BACKEND == "gloo"`` branches, so
 refuses any backend but gloo by name); a test skipped that way runs as
 imported for "mpidp" instead, which adds the tests that gloo skips.
 
-Prints pass/fail/skip counts per backend and the gloo passes that fail over mpidp.
+Prints pass/fail/skip counts per backend and the gloo passes that fail over mpidp. torch's test
+utilities import ``expecttest`` (``pip install expecttest``); without it every test fails at import.
 """
 
 from __future__ import annotations
