@@ -7,6 +7,7 @@ a batch, and compares the parameters with (a) one process training on the
 whole batch and (b) the same program over gloo.
 """
 
+import gc
 import pytest
 import torch
 import torch.distributed as dist
@@ -299,7 +300,12 @@ def test_torch_ddp_under_torch_compile_matches_one_process_and_gloo(groups, comp
     they are, between graphs; the result equals one process and gloo, with no more graph breaks.
     Compiled autograd as torch 2.13 takes it for DDP: its Python reducer
     (``optimize_ddp="python_reducer"``, read when DDP is built) and the backward under
-    ``compiled_autograd._enable``; the capture is counted, so the form cannot pass untried."""
+    ``compiled_autograd._enable``; the capture is counted, so the form cannot pass untried.
+    That form runs in the 3-rank launch only (tests/test_mpi.py, with check_backend.py): in the
+    2-rank one, something it compiles keeps the groups, and the TCP store under them, after they
+    are destroyed, and check_store's port probe later in that launch found the listeners."""
+    if compiled_autograd and SIZE == 2:
+        pytest.skip("in the 3-rank launch: its groups outlive the test (see the docstring)")
     import torch._dynamo
     from torch._dynamo import compiled_autograd as ca
     from torch._dynamo.utils import counters
@@ -329,6 +335,14 @@ def test_torch_ddp_under_torch_compile_matches_one_process_and_gloo(groups, comp
     vs_gloo = max_rel_diff(modules["mpidp"], modules["gloo"])
     report(f"ddp-compile-{compiler}-ca{int(compiled_autograd)} graph_breaks={breaks} "
            f"captures={captures}", vs_single, vs_gloo)
+    # the models' parameters carry DDP's hooks (the Python reducer's, under compiled autograd),
+    # which hold the groups, as dynamo's and compiled autograd's caches do: all dropped here, or
+    # the gloo group's sockets outlive its destruction and check_store's port test finds them
+    modules.clear()
+    del ddp, compiled, opt
+    torch._dynamo.reset()
+    ca.reset()
+    gc.collect()
     assert vs_single < TIGHT and vs_gloo < TIGHT
     assert breaks["mpidp"] <= breaks["gloo"], breaks
     assert all(count > 0 for count in captures.values()) == compiled_autograd, captures
