@@ -253,7 +253,7 @@ def _open_channel(world: MPI.Intracomm, first: bool = False) -> "stall_report.Ch
         job = _recorder.scheduler_job() or comm.bcast(
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" if world.Get_rank() == 0 else None)
         _recorder.set_job(job, world.Get_rank(), world.Get_size())
-        _stacks.arm()
+        _stacks.arm(world.Get_rank(), world.Get_size())
     if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
         return stall_report.Channel(comm, _state, _recorder.directory())
     return None
