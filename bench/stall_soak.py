@@ -224,17 +224,25 @@ def judge_killed(judge: Judge, run: dict, folder: Path) -> None:
         judge.check(all(groups.get(r, "").startswith("waiting in DDP step 3 bucket 1/")
                         for r in range(ODD)),
                     f"{OTHERS} waiting in DDP step 3 bucket 1", lines[0])
-    launcher = re.search(rf"process rank {ODD} with PID \d+ on node \S+ exited on signal 9", output)
+    launcher = re.search(rf"process\s+rank\s+{ODD}\s+with\s+PID\s+\d+\s+on\s+node\s+\S+\s+"
+                         rf"exited\s+on\s+signal\s+9", output)  # Open MPI wraps its lines
     if launcher:  # Open MPI names the rank
         named.append("the launcher (rank)")
-    pid = re.search(r"PID (\d+) RUNNING AT (\S+)\s*\n=\s+(?:EXIT CODE: 9|KILLED BY SIGNAL: 9)",
-                    output)
-    if pid:  # hydra (MPICH, Intel MPI) names the process; mpidp's stacks file names its rank
-        owner = [path.name for path in folder.glob("rank-*.stacks.txt")
-                 if re.match(rf"mpidp rank \d+/{SIZE}, pid {pid[1]} on {re.escape(pid[2])}\b",
-                             path.read_text(errors="replace"))]
-        if owner == [f"rank-{ODD:05d}.stacks.txt"]:
-            named.append(f"the launcher (pid {pid[1]}) and {owner[0]}")
+    # hydra (MPICH, Intel MPI) names each process that ended badly by pid and host (Intel MPI
+    # with its rank too); mpidp's stacks files name the rank of a pid. It must be rank 3 alone.
+    blocks = re.findall(r"^=\s+(?:RANK (\d+) )?PID (\d+) RUNNING AT (\S+)\s*\n"
+                        r"=\s+(?:EXIT CODE: 9|KILLED BY SIGNAL: 9)", output, re.M)
+    heads = {path.read_text(errors="replace").partition("\n")[0]: path.name
+             for path in folder.glob("rank-*.stacks.txt")}
+    owners = set()
+    for rank, pid, host in blocks:
+        owners |= {rank} if rank else {name[5:10].lstrip("0") or "0" for head, name in heads.items()
+                                         if re.fullmatch(rf"mpidp rank \d+/{SIZE}, pid {pid} on "
+                                                         rf"{re.escape(host)}", head)}
+    if owners == {str(ODD)}:
+        named.append("the launcher (" + ("rank" if blocks[0][0] else "pid, and the stacks file")
+                     + ")")
+    pid = re.search(r"^=\s+(?:RANK \d+ )?PID \d+ RUNNING AT .*", output, re.M)
     judge.check(bool(named), f"rank {ODD} named as killed (mpidp's summary, the launcher's rank, "
                              f"or the launcher's pid in a stacks file)",
                 (lines[0] if lines else "") or (pid[0] if pid else output[-1500:]))
@@ -242,7 +250,8 @@ def judge_killed(judge: Judge, run: dict, folder: Path) -> None:
     if list(folder.glob("rank-*.json")):  # survivors wrote records (SIGTERM before SIGKILL)
         status, text = trace(folder)
         run["trace"] = text
-        judge.check(f"no file from rank {ODD} " in text or judge_never_arrived_ok(text),
+        absent = re.search(r"^no file from ranks? ([0-9, -]+) ", text, re.M)
+        judge.check((absent is not None and ODD in _ranks(absent[1])) or judge_never_arrived_ok(text),
                     f"trace: rank {ODD} left no record or never arrived", text)
 
 
@@ -329,13 +338,14 @@ class Nodes:
             print(f"stall_soak: left of the cluster: {left}", file=sys.stderr)
 
 
-def run_one(place, scenario: str, folder: Path) -> dict:
-    """One job of ``scenario``, its files in ``folder``: its output, status, timings."""
+def run_one(place, scenario: str, folder: Path, extra: dict) -> dict:
+    """One job of ``scenario``, its files in ``folder``, ``extra`` in its environment: its
+    output, status, timings."""
     args = {"asleep": ["sleep", str(ODD), "inline"], "differ": ["differ", str(ODD)],
             "killed": ["kill", str(ODD), "inline"], "late": ["late", str(ODD)],
             "limit": ["sleep", str(ODD), "inline"]}[scenario]
     env = {"MPIDP_TRACE_DIR": str(folder),
-           "MPIDP_TIMEOUT": "600" if scenario == "limit" else str(TIMEOUT)}
+           "MPIDP_TIMEOUT": "600" if scenario == "limit" else str(TIMEOUT), **extra}
     job = place.launch([sys.executable, STALL, *args], env)
     run: dict = {"scenario": scenario}
     try:
@@ -402,8 +412,8 @@ def reexec_under(mpi: str) -> None:
         os.execv(python, [python, *sys.argv])
 
 
-def table(rows: list[dict], where: str, mpi: str, lib: str) -> str:
-    lines = [f"{where}, {mpi} ({lib}), {SIZE} ranks:", "",
+def table(rows: list[dict], where: str, mpi: str, lib: str, env: list[str]) -> str:
+    lines = [f"{where}, {mpi} ({lib}), {SIZE} ranks{', ' + ' '.join(env) if env else ''}:", "",
              "| scenario | runs | passed | failures (run: check; first differing evidence) |",
              "|---|---|---|---|"]
     for scenario in SCENARIOS:
@@ -424,12 +434,16 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in every job (I_MPI_JOB_ABORT_SIGNAL=15: Intel MPI's hydra "
+                             "then ends the other ranks with SIGTERM, not SIGKILL)")
     args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.env)
     reexec_under(args.mpi)
     os.chdir(ROOT)  # stall.py's lines are named relative to the working directory
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.where}-{args.mpi}"
+    tag = f"{args.where}-{args.mpi}" + "".join(f"-{k}={v}" for k, v in extra.items())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up on SIGTERM too
     base = Path(tempfile.mkdtemp(prefix="mpidp-stall-soak-", dir="/var/tmp"))  # seen by every node
     rows: list[dict] = []
@@ -437,13 +451,13 @@ def main() -> int:
     try:
         place = Nodes() if args.where == "cluster" else Host()
         lib = library()
-        print(f"{tag}: {lib}", flush=True)
+        print(f"{tag}: {lib}; {' '.join(args.env) or 'no extra environment'}", flush=True)
         with open(out / f"results-{tag}.jsonl", "a") as results:
             for number in range(1, args.runs + 1):
                 for scenario in args.scenarios:
                     folder = base / f"{scenario}-{number}"
                     load = os.getloadavg()
-                    run = run_one(place, scenario, folder)
+                    run = run_one(place, scenario, folder, extra)
                     failures = judge(run, folder)
                     row = dict(where=args.where, mpi=args.mpi, scenario=scenario, run=number,
                                failures=failures, returncode=run["returncode"],
@@ -464,8 +478,8 @@ def main() -> int:
                         (kept / "trace.txt").write_text(run.get("trace", "(not run)"))
                         (kept / "failures.txt").write_text("\n".join(failures) + "\n")
                     shutil.rmtree(folder, ignore_errors=True)
-        (out / f"table-{tag}.md").write_text(table(rows, args.where, args.mpi, lib))
-        print(table(rows, args.where, args.mpi, lib))
+        (out / f"table-{tag}.md").write_text(table(rows, args.where, args.mpi, lib, args.env))
+        print(table(rows, args.where, args.mpi, lib, args.env))
     finally:
         if place is not None:
             place.close()

@@ -124,7 +124,7 @@ def _ended_by(number, _frame) -> None:
         recorder.dump(f"signal {signal.Signals(number).name}")
         # The launcher ends the other ranks as soon as this one is gone; a rank whose
         # main thread sits in C writes its record from the watchdog thread (poll), at
-        # its next wake-up, at most a second away.
+        # its next look, at most 0.2 s away (mpidp.watchdog._SIGNAL_SECONDS).
         time.sleep(_PEERS_SECONDS)
     signal.signal(number, signal.SIG_DFL)
     os.kill(os.getpid(), number)
