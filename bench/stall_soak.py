@@ -33,6 +33,7 @@ temporary directory it made is gone when it ends, also on an error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -213,7 +214,7 @@ def judge_differ(judge: Judge, run: dict, folder: Path) -> None:
 
 
 def judge_killed(judge: Judge, run: dict, folder: Path) -> None:
-    """Rank 3 named as killed: by mpidp's summary, the launcher's rank, or its pid in mpidp's files."""
+    """Rank 3 named as killed: by mpidp's summary, the launcher's rank, or its pid in a pid file."""
     output = run["output"]
     judge.check(run["returncode"] not in (0, None), "the job failed", f"exit {run['returncode']}")
     lines, groups = summary(output)
@@ -229,24 +230,27 @@ def judge_killed(judge: Judge, run: dict, folder: Path) -> None:
     if launcher:  # Open MPI names the rank
         named.append("the launcher (rank)")
     # hydra (MPICH, Intel MPI) names each process that ended badly by pid and host (Intel MPI
-    # with its rank too); mpidp's stacks files name the rank of a pid. It must be rank 3 alone.
+    # with its rank too); mpidp's pid files name the rank of a pid. It must be rank 3 alone.
     blocks = re.findall(r"^=\s+(?:RANK (\d+) )?PID (\d+) RUNNING AT (\S+)\s*\n"
                         r"=\s+(?:EXIT CODE: 9|KILLED BY SIGNAL: 9)", output, re.M)
-    heads = {path.read_text(errors="replace").partition("\n")[0]: path.name
-             for path in folder.glob("rank-*.stacks.txt")}
+    heads = {path.read_text(errors="replace").strip(): path.name
+             for path in folder.glob("rank-*.pid")}
     owners = set()
     for rank, pid, host in blocks:
         owners |= {rank} if rank else {name[5:10].lstrip("0") or "0" for head, name in heads.items()
                                          if re.fullmatch(rf"mpidp rank \d+/{SIZE}, pid {pid} on "
                                                          rf"{re.escape(host)}", head)}
     if owners == {str(ODD)}:
-        named.append("the launcher (" + ("rank" if blocks[0][0] else "pid, and the stacks file")
+        named.append("the launcher (" + ("rank" if blocks[0][0] else "pid, and the pid file")
                      + ")")
     pid = re.search(r"^=\s+(?:RANK \d+ )?PID \d+ RUNNING AT .*", output, re.M)
     judge.check(bool(named), f"rank {ODD} named as killed (mpidp's summary, the launcher's rank, "
-                             f"or the launcher's pid in a stacks file)",
-                (lines[0] if lines else "") or (pid[0] if pid else output[-1500:]))
+                             f"or the launcher's pid in a pid file)",
+                (lines[0] if lines else "") or
+                (f"{pid[0].strip('= ')} (rank {', '.join(sorted(owners)) or '?'} by the pid "
+                 f"files)" if pid else output[-1500:]))
     run["named_by"] = named
+    run["launcher_named"] = sorted(owners)  # the ranks of the processes hydra reported
     if list(folder.glob("rank-*.json")):  # survivors wrote records (SIGTERM before SIGKILL)
         status, text = trace(folder)
         run["trace"] = text
@@ -273,7 +277,7 @@ def judge_late(judge: Judge, run: dict, folder: Path) -> None:
         judge.check(150 <= ms <= 300, "its lateness 150-300 ms (it sleeps 200)", f"{ms} ms")
     records = dict(re.findall(r"rank (\d+) stragglers (\{[^}]*\})", output))
     judge.check(sorted(map(int, records)) == list(range(SIZE)) and
-                all(list(eval(r)) == [ODD] for r in records.values()),  # noqa: S307 (our print)
+                all(list(ast.literal_eval(r)) == [ODD] for r in records.values()),
                 f"ddp.stragglers() is {{{ODD}: ...}} on every rank", str(records))
     judge.check("] stall" not in output, "no stall report", output)
 
@@ -462,7 +466,8 @@ def main() -> int:
                     row = dict(where=args.where, mpi=args.mpi, scenario=scenario, run=number,
                                failures=failures, returncode=run["returncode"],
                                seconds=round(run["seconds"], 1), load=[round(x, 2) for x in load],
-                               named_by=run.get("named_by"), term_to_end=run.get("term_to_end"))
+                               named_by=run.get("named_by"),
+                               launcher_named=run.get("launcher_named"), term_to_end=run.get("term_to_end"))
                     rows.append(row)
                     results.write(json.dumps(row) + "\n")
                     results.flush()
@@ -478,12 +483,13 @@ def main() -> int:
                         (kept / "trace.txt").write_text(run.get("trace", "(not run)"))
                         (kept / "failures.txt").write_text("\n".join(failures) + "\n")
                     shutil.rmtree(folder, ignore_errors=True)
-        (out / f"table-{tag}.md").write_text(table(rows, args.where, args.mpi, lib, args.env))
-        print(table(rows, args.where, args.mpi, lib, args.env))
     finally:
         if place is not None:
             place.close()
         shutil.rmtree(base, ignore_errors=True)
+        if rows:  # also when stopped early: the runs so far
+            (out / f"table-{tag}.md").write_text(table(rows, args.where, args.mpi, lib, args.env))
+            print(table(rows, args.where, args.mpi, lib, args.env))
     return 1 if any(r["failures"] for r in rows) else 0
 
 

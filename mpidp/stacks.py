@@ -27,12 +27,15 @@ Rule (``signal`` and ``faulthandler`` are process-wide): ``arm``, ``rearm`` and
 ``mpidp.preemption`` calls ``rearm`` after it installs or removes its handlers,
 since ``signal.signal`` silently replaces faulthandler's. A program that uses
 ``faulthandler.dump_traceback_later`` itself should set ``MPIDP_TIMEOUT=0``.
-The file's first line names the rank with its pid and host (``mpidp rank 3/4,
-pid 23929 on n1``): a launcher that reports a process killed by a signal names
-it by pid and host only (MPICH's and Intel MPI's hydra), and then kills every
-other rank at once with SIGKILL, so this line is all mpidp can leave to say
-which rank it was. At a clean exit, a stacks file that holds only that line is
-removed, and the directory with it when that leaves it empty.
+Beside it, ``rank-NNNNN.pid`` names the rank with its pid and host (``mpidp rank
+3/4, pid 23929 on n1``): a launcher that reports a process killed by a signal
+names it by pid and host only (MPICH's and Intel MPI's hydra), and then kills
+every other rank at once with SIGKILL, so this line is all mpidp can leave to
+say which rank it was. It is a file of its own because ``poll`` takes any
+growth of the stacks file for a signal's stacks, and a second job with the same
+``MPIDP_TRACE_DIR`` (a nested launch) opens the same files. At a clean exit the
+pid file and an empty stacks file are removed, and the directory with them when
+that leaves it empty.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ __all__ = ["arm", "rearm", "heartbeat", "poll", "stack_lines"]
 _file = None  # this rank's stacks file, open from arm() to exit
 _signals: tuple[int, ...] = ()  # the signals faulthandler writes on
 _seen = 0  # the file's size when poll() last looked
-_header = 0  # the file's size after arm() wrote its first line (-1: it held more before)
 _beat = 0.0  # when heartbeat() last re-armed faulthandler's timer
 _beat_seconds = 0.0
 _handlers_changed = False  # rearm() ran since poll() last looked
@@ -78,18 +80,16 @@ def signals_from_setting() -> tuple[int, ...]:
 
 
 def arm(rank: int, size: int) -> None:
-    """Open this rank's stacks file, write its first line (this rank of ``size``, its pid and
+    """Open this rank's stacks file, write its pid file (this rank of ``size``, its pid and
     host) and register the signals (main thread, once, at import)."""
-    global _file, _signals, _pid, _seen, _header
+    global _file, _signals, _pid, _seen
     if _pid == os.getpid() or threading.current_thread() is not threading.main_thread():
         return
     try:
         _file = open(recorder.path(".stacks.txt"), "a")
-        before = os.fstat(_file.fileno()).st_size  # an earlier launch's, in the same directory
-        _file.write(f"mpidp rank {rank}/{size}, pid {os.getpid()} on {socket.gethostname()}\n")
-        _file.flush()  # faulthandler writes to the descriptor, after this line
-        _seen = os.fstat(_file.fileno()).st_size
-        _header = _seen if before == 0 else -1  # never remove what an earlier launch wrote
+        _seen = os.fstat(_file.fileno()).st_size  # an earlier launch's, in the same directory
+        with open(recorder.path(".pid"), "w") as named:
+            named.write(f"mpidp rank {rank}/{size}, pid {os.getpid()} on {socket.gethostname()}\n")
     except OSError as error:
         os.write(2, f"mpidp: no stacks at a signal or a stall: cannot open a file in "
                     f"{recorder.directory()} ({error}); set MPIDP_TRACE_DIR\n".encode())
@@ -181,8 +181,8 @@ def stack_lines(frame, limit: int = 12) -> list[str]:
 
 
 def _close() -> None:
-    """At a clean exit: stop faulthandler, remove a stacks file without stacks and an empty
-    directory."""
+    """At a clean exit: stop faulthandler, remove the pid file, an empty stacks file and an
+    empty directory."""
     global _file
     if _file is None or _pid != os.getpid():
         return
@@ -193,7 +193,11 @@ def _close() -> None:
     _file.close()
     _file = None
     try:
-        if os.path.getsize(name) <= _header:
+        os.unlink(recorder.path(".pid"))
+    except OSError:
+        pass
+    try:
+        if os.path.getsize(name) == 0:
             os.unlink(name)
             os.rmdir(os.path.dirname(name))  # fails while another rank's files are there
     except OSError:

@@ -329,7 +329,7 @@ def _run() -> None:
                 _tick(now)
                 due = now + _period()
             else:
-                _stacks.poll()  # a signal's stacks: the record before the launcher's SIGKILL
+                _stacks.poll()  # a signal's stacks: write the record before a SIGKILL
         except Exception as error:  # never die silently: say so once, and stop watching
             stall_report.say(f"the stall watchdog failed and stops: {type(error).__name__}: {error}")
             return
