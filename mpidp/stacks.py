@@ -27,8 +27,15 @@ Rule (``signal`` and ``faulthandler`` are process-wide): ``arm``, ``rearm`` and
 ``mpidp.preemption`` calls ``rearm`` after it installs or removes its handlers,
 since ``signal.signal`` silently replaces faulthandler's. A program that uses
 ``faulthandler.dump_traceback_later`` itself should set ``MPIDP_TIMEOUT=0``.
-At a clean exit, an empty stacks file is removed, and the directory with it
-when that leaves it empty.
+Beside it, ``rank-NNNNN.pid`` names the rank with its pid and host (``mpidp rank
+3/4, pid 23929 on n1``): a launcher that reports a process killed by a signal
+names it by pid and host only (MPICH's and Intel MPI's hydra), and then kills
+every other rank at once with SIGKILL, so this line is all mpidp can leave to
+say which rank it was. It is a file of its own because ``poll`` takes any
+growth of the stacks file for a signal's stacks, and a second job with the same
+``MPIDP_TRACE_DIR`` (a nested launch) opens the same files. At a clean exit the
+pid file and an empty stacks file are removed, and the directory with them when
+that leaves it empty.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import atexit
 import faulthandler
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -71,13 +79,17 @@ def signals_from_setting() -> tuple[int, ...]:
     return tuple(dict.fromkeys(numbers))
 
 
-def arm() -> None:
-    """Open this rank's stacks file and register the signals (main thread, once, at import)."""
-    global _file, _signals, _pid
+def arm(rank: int, size: int) -> None:
+    """Open this rank's stacks file, write its pid file (this rank of ``size``, its pid and
+    host) and register the signals (main thread, once, at import)."""
+    global _file, _signals, _pid, _seen
     if _pid == os.getpid() or threading.current_thread() is not threading.main_thread():
         return
     try:
         _file = open(recorder.path(".stacks.txt"), "a")
+        _seen = os.fstat(_file.fileno()).st_size  # an earlier launch's, in the same directory
+        with open(recorder.path(".pid"), "w") as named:
+            named.write(f"mpidp rank {rank}/{size}, pid {os.getpid()} on {socket.gethostname()}\n")
     except OSError as error:
         os.write(2, f"mpidp: no stacks at a signal or a stall: cannot open a file in "
                     f"{recorder.directory()} ({error}); set MPIDP_TRACE_DIR\n".encode())
@@ -112,7 +124,7 @@ def _ended_by(number, _frame) -> None:
         recorder.dump(f"signal {signal.Signals(number).name}")
         # The launcher ends the other ranks as soon as this one is gone; a rank whose
         # main thread sits in C writes its record from the watchdog thread (poll), at
-        # its next wake-up, at most a second away.
+        # its next look, at most 0.2 s away (mpidp.watchdog._SIGNAL_SECONDS).
         time.sleep(_PEERS_SECONDS)
     signal.signal(number, signal.SIG_DFL)
     os.kill(os.getpid(), number)
@@ -169,7 +181,8 @@ def stack_lines(frame, limit: int = 12) -> list[str]:
 
 
 def _close() -> None:
-    """At a clean exit: stop faulthandler, remove an empty stacks file and an empty directory."""
+    """At a clean exit: stop faulthandler, remove the pid file, an empty stacks file and an
+    empty directory."""
     global _file
     if _file is None or _pid != os.getpid():
         return
@@ -179,6 +192,10 @@ def _close() -> None:
     name = _file.name
     _file.close()
     _file = None
+    try:
+        os.unlink(recorder.path(".pid"))
+    except OSError:
+        pass
     try:
         if os.path.getsize(name) == 0:
             os.unlink(name)

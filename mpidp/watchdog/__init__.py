@@ -17,7 +17,8 @@ only when a report is due. ``Scope`` blocks say what the calls inside are for
 (DDP names its step, bucket and size with them) and may set their timeout.
 
 **The watchdog thread.** A daemon thread, started by ``start()`` or the first
-recorded call, wakes every min(timeout / 4, 1 s). When a call has waited
+recorded call, wakes every min(timeout / 4, 1 s) (and every 0.2 s to look
+for a signal's stacks, ``mpidp.stacks.poll``). When a call has waited
 longer than its timeout, the rank prints one line on stderr, once per call:
 what it waits in, and the call site (``stall_report`` shows it).
 
@@ -89,6 +90,10 @@ _ACTIONS = ("abort", "report")
 _SELF_ABORT_SECONDS = 8.0  # rank 0 summarises within stall_report's 3 s + a wake-up of its own
 _LOCAL_GRACE_SECONDS = 2.0  # without a summary: time for the other ranks to print their lines
 _MAX_PERIOD, _MIN_PERIOD = 1.0, 0.05
+# Between wake-ups, how often the thread looks whether a signal's stacks were written while the
+# main thread sits in C: Open MPI's mpirun sends SIGKILL about a second after SIGTERM, and
+# bench/stall_soak.py found ranks killed before their next wake-up without a flight record.
+_SIGNAL_SECONDS = 0.2
 
 # Other modules name labels and ranks in their messages as the reports do.
 _label_text = stall_report.label_text
@@ -253,7 +258,7 @@ def _open_channel(world: MPI.Intracomm, first: bool = False) -> "stall_report.Ch
         job = _recorder.scheduler_job() or comm.bcast(
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" if world.Get_rank() == 0 else None)
         _recorder.set_job(job, world.Get_rank(), world.Get_size())
-        _stacks.arm()
+        _stacks.arm(world.Get_rank(), world.Get_size())
     if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
         return stall_report.Channel(comm, _state, _recorder.directory())
     return None
@@ -312,13 +317,19 @@ def _period() -> float:
 
 
 def _run() -> None:
+    due = _clock() + _period()
     while not _stopping.is_set():
-        _wake.wait(_period())
+        woken = _wake.wait(max(0.0, min(due - _clock(), _SIGNAL_SECONDS)))
         _wake.clear()
         if _stopping.is_set():
             return
         try:
-            _tick(_clock())
+            now = _clock()
+            if woken or now >= due:
+                _tick(now)
+                due = now + _period()
+            else:
+                _stacks.poll()  # a signal's stacks: write the record before a SIGKILL
         except Exception as error:  # never die silently: say so once, and stop watching
             stall_report.say(f"the stall watchdog failed and stops: {type(error).__name__}: {error}")
             return

@@ -8,14 +8,17 @@ Modes:
   next collective, an allreduce on a communicator of its own;
 - ``mismatch``: rank 0 enters a broadcast from the last rank (default pool)
   while the others enter an allreduce on another communicator;
-- ``differ``: rank 1 enters a broadcast where the others enter an allreduce, on the
-  same communicator (the default pool's second member), with the same count;
+- ``differ [RANK]``: ``RANK`` (1) enters a broadcast where the others enter an allreduce, on
+  the same communicator (the default pool's second member), with the same count;
 - ``sleep RANK [OVERLAP]``: at DDP step 3, ``RANK`` sleeps in user code
   between forward and backward while the others wait in the step's first
   bucket; under ``MPIDP_TIMEOUT_ACTION=report`` it sleeps ``MPIDP_TIMEOUT + 3``
   seconds, wakes up, and the training ends normally;
 - ``gil RANK``: as ``sleep``, but ``RANK`` sleeps in C holding the GIL, so no
   thread of it can answer;
+- ``kill RANK``: as ``sleep``, but ``RANK`` sends itself SIGKILL (the OOM killer, a node lost);
+- ``late RANK``: 16 DDP steps, ``RANK`` sleeps 200 ms before each backward; at the end each
+  rank prints ``rank R stragglers {rank: ms}`` (``ddp.stragglers()``);
 - ``train [OVERLAP ...]``: DDP training runs that never stall, one per strategy given.
 
 Set ``STALL_THREAD_LEVEL`` (e.g. "serialized") to initialise MPI at that level,
@@ -26,6 +29,7 @@ Before the call that hangs, each rank prints ``rank R stalls at T`` (T from
 
 import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -66,22 +70,26 @@ def mismatch(other: MPI.Intracomm) -> None:
         mpidp.comm.allreduce(torch.ones(2), comm=other)
 
 
-def differ() -> None:
+def differ(odd: int) -> None:
     mpidp.comm.allreduce(torch.ones(4))
     stalls()
-    if RANK == 1:
+    if RANK == odd:
         mpidp.comm.broadcast(torch.ones(4), 0)  # the others make an allreduce here
     else:
         mpidp.comm.allreduce(torch.ones(4))
 
 
-def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: bool = False) -> None:
+def _ddp(overlap: str) -> mpidp.DistributedDataParallel:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 10))
     timeout = os.environ.get("STALL_DDP_TIMEOUT")
-    ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.1, overlap=overlap,
-                                        timeout=None if timeout is None else float(timeout))
+    return mpidp.DistributedDataParallel(model, bucket_cap_mb=0.1, overlap=overlap,
+                                         timeout=None if timeout is None else float(timeout))
+
+
+def train(steps: int, overlap: str, stop_rank: int | None = None, how: str = "sleep") -> None:
+    ddp = _ddp(overlap)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     torch.manual_seed(RANK)
     for step in range(1, steps + 1):
@@ -89,7 +97,9 @@ def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: boo
         loss = ddp(torch.randn(32, 64)).square().mean()
         if step == 3 and stop_rank is not None:
             stalls()
-            if RANK == stop_rank and holds_gil:
+            if RANK == stop_rank and how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif RANK == stop_rank and how == "gil":
                 ctypes.PyDLL(None).sleep(120)  # libc sleep() through PyDLL keeps the GIL
             elif RANK == stop_rank:
                 # every rank answers rank 0 within a period or two of its watchdog (TIMEOUT / 4)
@@ -100,6 +110,18 @@ def train(steps: int, overlap: str, stop_rank: int | None = None, holds_gil: boo
     print(f"rank {RANK} trained {steps} steps", flush=True)
 
 
+def late(late_rank: int, steps: int = 16) -> None:
+    ddp = _ddp("inline")
+    torch.manual_seed(RANK)
+    for _ in range(steps):
+        loss = ddp(torch.randn(32, 64)).square().mean()
+        if RANK == late_rank:
+            time.sleep(0.2)
+        loss.backward()
+    print(f"rank {RANK} stragglers {ddp.stragglers()}", flush=True)
+    ddp.close()
+
+
 def main() -> None:
     mode, args = sys.argv[1], sys.argv[2:]
     other = MPI.COMM_WORLD.Dup()
@@ -108,9 +130,11 @@ def main() -> None:
     elif mode == "mismatch":
         mismatch(other)
     elif mode == "differ":
-        differ()
-    elif mode in ("sleep", "gil"):
-        train(5, args[1] if len(args) > 1 else "auto", int(args[0]), holds_gil=mode == "gil")
+        differ(int(args[0]) if args else 1)
+    elif mode in ("sleep", "gil", "kill"):
+        train(5, args[1] if len(args) > 1 else "auto", int(args[0]), how=mode)
+    elif mode == "late":
+        late(int(args[0]))
     elif mode == "train":
         for overlap in args or ["auto"]:  # one launch, each strategy in turn
             train(40, overlap)
