@@ -686,7 +686,9 @@ def test_a_rank_late_at_every_step_is_named_once_with_its_lateness(monkeypatch, 
     named = ddp.stragglers()
     agree_on_every_rank(sorted(named))
     agree_on_every_rank(ddp.reducer.stragglers.step_ms)  # the share's step time: one sum, alike
-    assert ddp.reducer.stragglers.step_ms > LATE_S * 1e3, ddp.reducer.stragglers.step_ms
+    # each rank's period runs between its own step ends, which the ranks reach a little apart:
+    # the mean was 198 ms once in CI for steps that each held the 200 ms sleep
+    assert ddp.reducer.stragglers.step_ms > 0.75 * LATE_S * 1e3, ddp.reducer.stragglers.step_ms
     assert list(named) == [late], (named, [e["lateness_ms"] for e in ddp.stats()])
     assert 0.75 * LATE_S * 1e3 < named[late] < 1.5 * LATE_S * 1e3, named
     late_rows = [entry["lateness_ms"] for entry in ddp.stats()[-5:-1]]
