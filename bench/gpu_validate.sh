@@ -25,6 +25,11 @@
 #          which one sees no GPU (both must fail, naming it);
 #   store: bench/store_startup.py with NCCL at 1 and 2 ranks, the store over MPI and over TCP;
 #   profile: bench/gpu_profile.py on mlp (mpidp and torch's DDP over the mpidp backend);
+#   horovod: Horovod 0.28.1's own suite (tests/test_horovod_suite.py; HOROVOD_SUITE: a copy of
+#          ../shared/horovod-0.28.1 carried along) with its CUDA dtypes and GPU tests, and
+#          Horovod's two PyTorch examples on the GPU: at 1 rank as decided and staged; with
+#          MPICH also at 2 ranks on the one GPU, each rank a node of its own
+#          (MPIR_CVAR_NUM_CLIQUES=2: the suite puts rank r on GPU hvd.local_rank());
 #   suite: the whole test suite with the GPU visible.
 set -uo pipefail
 out=${1:?usage: gpu_validate.sh OUTDIR [tests|bench|profile|suite]...}
@@ -48,6 +53,7 @@ if [ -n "${MPI_PREFIX:-}" ]; then
     export PATH=$MPI_PREFIX/bin:$PATH LD_LIBRARY_PATH=$MPI_PREFIX/lib:${LD_LIBRARY_PATH:-}
     export OPAL_PREFIX=$MPI_PREFIX MPI4PY_LIBMPI=$MPI_PREFIX/lib/libmpi.so
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export MPIEXEC=$MPI_PREFIX/bin/mpiexec  # not the wheel's beside the venv's python
 fi
 launcher=$($py -c "import sys; sys.path.insert(0, 'tests'); import launch; print(launch.mpiexec())")
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 MPIDP_TEST_GPU=1
@@ -132,6 +138,29 @@ bench)
                 --modes ${MODES:-local mpidp ddp-mpidp ddp-gloo} --steps ${STEPS:-20} \
                 --out "$out/train.jsonl" 2>&1 | tee -a "$out/bench_train.txt"
         done
+    done
+    ;;
+horovod)
+    suite=$(realpath "${HOROVOD_SUITE:-../shared/horovod-0.28.1}")
+    shim="PYTHONPATH=$PWD/tests/horovod_shim:${PYTHONPATH:-} PYTHONDONTWRITEBYTECODE=1"
+    sizes=1; $launcher --version 2>&1 | grep -qi hydra && sizes="1 2"
+    for ranks in $sizes; do
+        for staged in unset 0; do
+            [ "$ranks" = 2 ] && [ "$staged" = 0 ] && continue  # the MPICH wheel stages anyway
+            echo "== $ranks ranks, MPIDP_CUDA_AWARE=$staged" | tee -a "$out/horovod_suite.txt"
+            env $( [ "$staged" = 0 ] && echo MPIDP_CUDA_AWARE=0 ) HOROVOD_SUITE="$suite" \
+                HVD_SUITE_GPU_RANKS=$ranks MPIR_CVAR_NUM_CLIQUES=$ranks timeout ${T:-600} \
+                $py -m pytest -q -p no:cacheprovider -rs --basetemp "$out/suite_${ranks}_$staged" \
+                tests/test_horovod_suite.py -k gpu 2>&1 | tee -a "$out/horovod_suite.txt"
+        done
+        echo "== examples at $ranks ranks" | tee -a "$out/horovod_examples.txt"
+        home=$(mktemp -d)
+        env $shim HOME=$home MPIR_CVAR_NUM_CLIQUES=$ranks timeout 300 $launcher -n $ranks \
+            $py "$suite/examples/pytorch/pytorch_mnist.py" --epochs 2 --batch-size 32 --lr 0.05 \
+            --log-interval 100 --data-dir $home 2>&1 | tee -a "$out/horovod_examples.txt"
+        env $shim MPIR_CVAR_NUM_CLIQUES=$ranks timeout 300 $launcher -n $ranks \
+            $py "$suite/examples/pytorch/pytorch_synthetic_benchmark.py" --batch-size 32 \
+            --num-iters 3 2>&1 | tee -a "$out/horovod_examples.txt"
     done
     ;;
 profile)

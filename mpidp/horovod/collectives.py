@@ -249,6 +249,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=_sets.global_proc
     with _requests.checking(process_set, _requests.ALLTOALL):
         _check_rows(tensor, name, "split into rows")
         sends = _splits_list(splits, tensor.shape[0], process_set.data.Get_size())
+    device = splits.device if isinstance(splits, torch.Tensor) else "cpu"
     tensor = _requests.wrap_tensor(tensor)
     result = {}
 
@@ -256,7 +257,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=_sets.global_proc
         receives = collective(process_set.data, "alltoall", (sends,),
                               ("alltoall's splits exchange", tensor))
         output = tensor.new_empty((sum(receives), *tensor.shape[1:]))
-        result["value"] = (output, torch.tensor(receives, dtype=torch.int32))
+        # on the splits' device, as in Horovod (a list of splits: the CPU)
+        result["value"] = (output, torch.tensor(receives, dtype=torch.int32, device=device))
         return [_comm.ialltoall(output, tensor, receives, sends, comm=process_set.data)]
 
     return _requests.register(_requests.begin(

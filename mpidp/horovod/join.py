@@ -38,7 +38,7 @@ def _identity(shape, dtype: torch.dtype, op: str, device) -> torch.Tensor:
 def _serve(message: _requests.Descriptor, process_set, device) -> None:
     comm = process_set.data
     kind = message.kind
-    if kind == _requests.ALLREDUCE:
+    if kind == _requests.ALLREDUCE and _OPS[message.op] != "adasum":  # Adasum: refused
         _comm.iallreduce(_identity(message.shape, message.dtype, _OPS[message.op], device),
                          _OPS[message.op], comm=comm).wait()
     elif kind == _requests.REDUCESCATTER:

@@ -40,12 +40,14 @@ from ..comm import agreement as _agreement
 from ..ddp import overlap as _overlap
 from ..ddp.buckets import Bucket, assign_buckets
 from ..comm import chunking as _chunking
+from . import adasum as _adasum
 from . import process_sets as _sets
 from . import requests as _requests
 from . import settings as _settings
 from .compression import Compression
 from .collectives import sparse_allreduce_async
-from .reductions import Average, Sum, bucket_allreduce_async_, resolve_op
+from .reductions import (Adasum, Average, Sum, bucket_allreduce_async_, grouped_allreduce_async_,
+                         resolve_op)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -197,18 +199,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._densified: list[torch.Tensor] = []  # sparse gradients reduced as dense
         self._hooked = False  # a hook ran since the last synchronize
 
+    def _count(self, param: torch.Tensor) -> bool:
+        """Count one backward pass of ``param`` (under the lock); whether its gradient is ready."""
+        key = id(param)
+        self._hooked = True
+        if self._delay[key] <= 0:
+            raise RuntimeError(
+                f"the gradient of {self._names[param]} was computed more than "
+                f"backward_passes_per_step ({self._passes}) times before step(); raise "
+                f"backward_passes_per_step to accumulate gradients locally")
+        self._delay[key] -= 1
+        return self._delay[key] == 0
+
     def _hook(self, param: torch.Tensor) -> None:
         with self._lock:
-            key = id(param)
-            self._hooked = True
-            if self._delay[key] <= 0:
-                raise RuntimeError(
-                    f"the gradient of {self._names[param]} was computed more than "
-                    f"backward_passes_per_step ({self._passes}) times before step(); raise "
-                    f"backward_passes_per_step to accumulate gradients locally")
-            self._delay[key] -= 1
-            if self._delay[key] == 0:
-                self._waiting[self._bucket_of[key]] -= 1
+            if self._count(param):
+                self._waiting[self._bucket_of[id(param)]] -= 1
                 while self._next < len(self._buckets) and self._waiting[self._next] == 0:
                     self._start(self._next)
 
@@ -325,6 +331,66 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.load_state_dict(state_dict)
 
 
+class _AdasumOptimizer(_DistributedOptimizer):
+    """``op=hvd.Adasum``: Horovod's delta optimizer. The wrapped optimizer steps on this
+    rank's own gradients; what it changed in each parameter (the delta) is combined over
+    the ranks by adaptive summation (``adasum``, each parameter with its own
+    coefficients, bucket by bucket) and added to the parameter as it was before the step.
+
+    Horovod steps each parameter inside the backward pass as its gradient is ready;
+    here the whole step runs in ``synchronize()`` (what ``step()`` calls), after the
+    backward pass: the same result for optimizers whose update of a parameter depends
+    on that parameter alone (SGD, Adam and the like), with no overlap of the exchange
+    and the backward pass.
+    """
+
+    def _hook(self, param: torch.Tensor) -> None:
+        with self._lock:
+            self._count(param)  # backward_passes_per_step's check; nothing starts
+
+    def _adopt_window(self) -> None:
+        """No shared fused buffers: the deltas go through grouped_allreduce (every rank alike)."""
+
+    def synchronize(self) -> None:
+        """Step the wrapped optimizer on this rank's gradients and combine the deltas."""
+        with self._lock:
+            try:
+                if not self._process_set.included():
+                    return
+                with torch.no_grad():
+                    before = {id(p): p.detach().clone() for p in self._params}
+                    self._optimizer.step()
+                    for members in self._buckets:
+                        olds = [before[id(p)] for p in members]
+                        packed = [self._compression.compress(p.detach() - old)
+                                  for p, old in zip(members, olds)]
+                        reduced = _requests.synchronize(grouped_allreduce_async_(
+                            [delta for delta, _ in packed], op=Adasum,
+                            name=f"adasum.{self._names[members[0]]}",
+                            process_set=self._process_set))
+                        for p, old, delta, (_, context) in zip(members, olds, reduced, packed):
+                            p.copy_(old.add_(self._compression.decompress(delta, context)))
+            finally:
+                self._reset()
+            self._synchronized = True
+
+    def step(self, closure=None):
+        """Synchronize (unless within ``skip_synchronize``): the step is taken there."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): with op=hvd.Adasum the step is "
+                              "taken twice. Step inside `with optimizer.skip_synchronize():`",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return loss
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,  # noqa: N802 (Horovod's name)
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
@@ -336,7 +402,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: ``model.named_parameters()``, to name the reductions (optional).
         compression: ``hvd.Compression.none``, ``fp16`` or ``bf16`` (or a ``Compressor``).
         backward_passes_per_step: backward passes accumulated locally per ``step()``.
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum`` (Horovod's delta
+            optimizer: the wrapped optimizer's changes are combined by adaptive summation;
+            a power of 2 ranks).
         gradient_predivide_factor: with ``Average``, divide by it before the sum and by
             size / it after.
         num_groups: deprecated spelling of ``groups=int``.
@@ -354,8 +422,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is a DistributedOptimizer already; wrap the torch optimizer once")
     op = resolve_op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum for DistributedOptimizer, got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum for DistributedOptimizer, "
+                         f"got {op!r}")
     _args.check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, Real) \
             or gradient_predivide_factor <= 0:
@@ -372,7 +441,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("give groups or the deprecated num_groups, not both")
     if not isinstance(process_set, _sets.ProcessSet) or process_set.process_set_id is None:
         raise ValueError(f"process_set must be a registered hvd.ProcessSet, got {process_set!r}")
-    return _DistributedOptimizer(optimizer, _names(optimizer, named_parameters), compression,
+    if op == Adasum and process_set.included():
+        _adasum.check_size(process_set.data.Get_size())
+    wrapper = _AdasumOptimizer if op == Adasum else _DistributedOptimizer
+    return wrapper(optimizer, _names(optimizer, named_parameters), compression,
                                  backward_passes_per_step, op, gradient_predivide_factor,
                                  groups if groups is not None else num_groups,
                                  sparse_as_dense, process_set)

@@ -6,7 +6,8 @@ Each reduces with MPI's sum, min, max or product through ``mpidp.comm``;
 scaled in float64 and rounded toward zero, as in Horovod: ``scale_``). ``_async`` forms return
 a handle for ``synchronize``; a trailing ``_`` writes the result into the
 input. A grouped allreduce packs its tensors into one flat buffer per dtype and
-device, one message each. ``op=hvd.Adasum`` is refused.
+device, one message each. ``op=hvd.Adasum`` combines the ranks' tensors by Horovod's
+adaptive summation (``adasum``), each tensor of a group with its own coefficients.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from .. import comm as _comm
 from ..comm.checks import _check_tensor
+from . import adasum as _adasum
 from . import process_sets as _sets
 from . import requests as _requests
 from .compression import Compression
@@ -28,10 +30,16 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product",
 
 # Horovod's values, so scripts that store or compare them keep working.
 Average, Sum, Adasum, Min, Max, Product = range(6)
-_MPI_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-_OP_NAMES = "hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product"
+_MPI_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod",
+            Adasum: "adasum"}
+_OP_NAMES = "hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max or hvd.Product"
 _OP_LABELS = {Average: "hvd.Average", Sum: "hvd.Sum", Min: "hvd.Min", Max: "hvd.Max",
-              Product: "hvd.Product"}
+              Product: "hvd.Product", Adasum: "hvd.Adasum"}
+
+
+class MixedDevicesError(ValueError, RuntimeError):
+    """A group of tensors on more than one device: a bad argument (negotiated as one), and
+    the RuntimeError Horovod's core raises for it."""
 
 
 def resolve_op(op, average) -> int:
@@ -41,9 +49,6 @@ def resolve_op(op, average) -> int:
                          f"op supersedes the deprecated average; pass only op")
     if op is None:
         op = Sum if average is False else Average
-    if op == Adasum and not isinstance(op, bool):
-        raise NotImplementedError("op=hvd.Adasum (Horovod's adaptive summation) is not "
-                                  "implemented by mpidp.horovod; use op=hvd.Average or hvd.Sum")
     if isinstance(op, bool) or op not in _MPI_OPS:
         raise ValueError(f"op must be {_OP_NAMES}, got {op!r}")
     return op
@@ -74,7 +79,7 @@ def scale_(tensor: torch.Tensor, factor, divisor: int = 1) -> torch.Tensor:
     """Multiply ``tensor`` in place by ``factor / divisor``, as Horovod scales; returns it.
 
     Floating-point tensors are multiplied in their dtype (float16 on the CPU through
-    float32, by torch); a plain division (``Average`` without a postscale factor) is a
+    float32, by torch; on a GPU by the factor rounded to float16 first, as Horovod's kernel); a plain division (``Average`` without a postscale factor) is a
     division, correctly rounded, as one process computing the mean would round it.
     Integer tensors are scaled in float64 and rounded toward zero, as Horovod does; a
     plain division is exact: the quotient rounded toward zero.
@@ -82,7 +87,12 @@ def scale_(tensor: torch.Tensor, factor, divisor: int = 1) -> torch.Tensor:
     if tensor.dtype.is_floating_point:
         if factor == 1:
             return tensor.div_(divisor) if divisor != 1 else tensor
-        return tensor.mul_(factor / divisor) if factor != divisor else tensor
+        if factor == divisor:
+            return tensor
+        if tensor.dtype == torch.float16 and tensor.is_cuda:  # Horovod's GPU kernel: a half factor
+            return tensor.mul_(torch.tensor(factor / divisor, dtype=torch.float16,
+                                            device=tensor.device))
+        return tensor.mul_(factor / divisor)
     if factor == 1:
         return tensor.div_(divisor, rounding_mode="trunc") if divisor != 1 else tensor
     return tensor.copy_(tensor.double().mul_(factor / divisor))
@@ -110,6 +120,13 @@ def _begin(tensors, inplace: bool, op, average, name, prescale_factor, postscale
         for k, tensor in enumerate(tensors):
             _check_tensor(f"tensors[{k}]", _requests.wrap_tensor(tensor), written=inplace)
         _check_scales(prescale_factor, postscale_factor)
+        devices = {str(tensor.device) for tensor in tensors}
+        if len(devices) > 1:  # Horovod's error too: one group, one device
+            raise MixedDevicesError(f"tensors of one grouped allreduce must be on one "
+                                    f"device, got {sorted(devices)}")
+        if op == Adasum:
+            for tensor in tensors:
+                _adasum.check(tensor.dtype, process_set.data.Get_size())
     groups: dict[tuple, list[int]] = {}
     for k, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(k)
@@ -149,6 +166,9 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
     scale_(flat, prescale)
 
     def launch():
+        if mpi_op == "adasum":  # runs now, on this thread (adasum.py)
+            _adasum.reduce_(flat, [t.numel() for t in tensors], process_set.data)
+            return []
         return [_comm.iallreduce(flat, mpi_op, comm=process_set.data)]
 
     def reduce_now():
@@ -170,8 +190,9 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
     shape = tuple(tensors[0].shape) if len(tensors) == 1 and tensors[0].dim() <= 8 \
         else (flat.numel(),)
     cpu = flat.device.type == "cpu"
-    if direct is not None:  # where it goes depends on the device: every rank must agree on it
-        detail = f"{detail}, {flat.device.type} memory"
+    # one device type on every rank, as Horovod requires (and where the direct way goes
+    # depends on it)
+    detail = f"{detail}, {flat.device.type} memory"
     return _requests.begin(process_set, _requests.ALLREDUCE, launch, finish,
                            keep=(tensors, flat), name=name, nbytes=flat.nbytes,
                            direct=reduce_now if direct is not None and cpu else None,
@@ -192,7 +213,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         tensor: this rank's input (left as it is).
         average: deprecated; True is ``op=hvd.Average``, False ``op=hvd.Sum``.
         name: a label for the timeline.
-        op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max`` or ``hvd.Product``.
+        op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Adasum`` (floating-point tensors,
+            a power of 2 ranks; it blocks until done), ``hvd.Min``, ``hvd.Max`` or
+            ``hvd.Product``.
         prescale_factor: multiplies each rank's input before the reduction.
         postscale_factor: multiplies the result (after the division of ``Average``).
         process_set: the ranks to reduce over (default: all).

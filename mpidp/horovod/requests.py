@@ -72,7 +72,7 @@ __all__ = ["HorovodInternalError", "poll", "synchronize"]
 JOIN, ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, BARRIER, ALLTOALL, OBJECT = range(8)
 KIND_NAMES = ("join", "allreduce", "allgather", "broadcast", "reducescatter", "barrier",
               "alltoall", "broadcast_object/allgather_object")
-OP_CODES = {"sum": 1, "min": 2, "max": 3, "prod": 4}
+OP_CODES = {"sum": 1, "min": 2, "max": 3, "prod": 4, "adasum": 5}
 _MAX_DIMS = 8
 # kind, dtype + 1, op, root + 1, ndim + 1, name's hash, detail's hash, problem, shape
 _HEAD = 8 + _MAX_DIMS
@@ -291,8 +291,9 @@ def negotiate(process_set: _sets.ProcessSet, kind: int, problem: BaseException |
                 if process_set.control.Get_rank() in verdict.deferred:
                     return None
                 continue
-        if message.joined and process_set is _sets.global_process_set and kind in REFUSED_IN_JOIN:
-            raise joined_error(kind, message.joined)
+        if message.joined and process_set is _sets.global_process_set and (
+                kind in REFUSED_IN_JOIN or (kind == ALLREDUCE and message.op == OP_CODES["adasum"])):
+            raise joined_error(kind, message.joined, message.op)
         return message
 
 
@@ -392,8 +393,12 @@ _table_lock = threading.Lock()
 REFUSED_IN_JOIN = (ALLGATHER, BROADCAST, ALLTOALL, OBJECT)
 
 
-def joined_error(kind: int, joined: list[int]) -> HorovodInternalError:
+def joined_error(kind: int, joined: list[int], op: int = 0) -> HorovodInternalError:
     """The error every active rank raises for a collective that joined ranks cannot serve."""
+    if op == OP_CODES["adasum"]:  # a joined rank would need each tensor's bounds in the group
+        return HorovodInternalError(
+            f"hvd.allreduce with op=hvd.Adasum while rank(s) {joined} have called hvd.join(): "
+            f"joined ranks serve only the sums (Average, Sum), min, max and product")
     return HorovodInternalError(
         f"hvd.{KIND_NAMES[kind]} while rank(s) {joined} have called hvd.join(): as in Horovod, "
         f"joined ranks serve only allreduce, grouped_allreduce, reducescatter and barrier")

@@ -20,7 +20,7 @@ from . import requests as _requests
 from .collectives import allgather, grouped_allgather
 from .compression import Compression
 from .reductions import (
-    Average, Sum, _check_name, _check_scales, _detail, process_set_of, resolve_op, scale_,
+    Adasum, Average, Sum, _check_name, _check_scales, _detail, process_set_of, resolve_op, scale_,
 )
 
 __all__ = ["reducescatter", "reducescatter_async", "grouped_reducescatter",
@@ -48,6 +48,9 @@ def _begin(tensor, name, op, process_set, prescale_factor, postscale_factor) -> 
     process_set = process_set_of(process_set)
     with _requests.checking(process_set, _requests.REDUCESCATTER):
         op = resolve_op(op, None)
+        if op == Adasum:  # Horovod raises a RuntimeError here too
+            raise NotImplementedError("op=hvd.Adasum has no reducescatter (as in Horovod); use "
+                                      "hvd.Average or hvd.Sum")
         if op not in (Average, Sum):
             raise ValueError(f"op must be hvd.Average or hvd.Sum for reducescatter, got {op!r}")
         _check_name(name)

@@ -371,3 +371,66 @@ def test_fully_shard_on_the_gpu_matches_one_process_on_the_cpu(group):
         worst = max(worst, ((full - q.detach()).abs().max() / q.abs().max()).item())
     report("fsdp2-adam", worst)
     assert worst < 1e-9
+
+
+def test_checkpoint_on_the_gpu_resumes_bit_for_bit_with_cuda_generators_and_a_grad_scaler(tmp_path):
+    """Issue 28 on a GPU: dropout draws from the CUDA generator and AMP's GradScaler changes its
+    scale; a resume restores both with the model and the optimizer, and the next steps are the
+    uninterrupted run's, bit for bit."""
+    import shutil
+    import tempfile
+
+    from mpi4py import MPI
+    directory = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mpidp-gpu-ckpt-") if RANK == 0 else None)
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                  torch.nn.Linear(64, 4)).to(DEVICE)
+        ddp = mpidp.DistributedDataParallel(net)
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+        # a scale that overflows float16 at first: the scaler skips steps and halves it
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 24, growth_interval=2)
+        return ddp, optimizer, scaler
+
+    def train(ddp, optimizer, scaler, steps, saver=None):
+        for step in steps:
+            gen = torch.Generator().manual_seed(100 * step + RANK)
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(ddp(x.to(DEVICE)), y.to(DEVICE))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if saver is not None:
+                saver.step()
+
+    try:
+        ddp, optimizer, scaler = make()
+        saver = mpidp.Checkpointer(directory, model=ddp, optimizer=optimizer, scaler=scaler,
+                                   exit_on_stop=False)
+        train(ddp, optimizer, scaler, range(1, 4), saver)
+        torch.cuda.manual_seed(1234 + RANK)  # each rank's own CUDA stream of draws
+        saver.save()
+        scale_at_save = scaler.get_scale()
+        train(ddp, optimizer, scaler, range(4, 8))
+        expected = [p.detach().clone() for p in ddp.parameters()]
+        expected_scale = scaler.get_scale()
+        saver.close()
+
+        ddp2, optimizer2, scaler2 = make()
+        torch.cuda.manual_seed(99)  # a different CUDA generator state, which resume replaces
+        loader = mpidp.Checkpointer(directory, model=ddp2, optimizer=optimizer2, scaler=scaler2,
+                                    exit_on_stop=False)
+        assert loader.resume() == 3
+        assert scaler2.get_scale() == scale_at_save < 2.0 ** 24
+        train(ddp2, optimizer2, scaler2, range(4, 8))
+        assert scaler2.get_scale() == expected_scale
+        for got, want in zip(ddp2.parameters(), expected):
+            assert got.device == DEVICE and torch.equal(got, want)
+        loader.close()
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        if RANK == 0:
+            shutil.rmtree(directory, ignore_errors=True)

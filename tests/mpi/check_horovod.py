@@ -344,7 +344,97 @@ def test_joined_ranks_serve_reductions_and_refuse_what_horovod_refuses():
         hvd.allreduce(torch.ones(1), op=17 if hvd.rank() == 0 else hvd.Sum)
     with pytest.raises(hvd.HorovodInternalError, match="alltoall while rank.*join"):
         hvd.alltoall(torch.zeros(hvd.size()))
+    # Adasum is not served by joined ranks (at 3 ranks it is refused for the set's size first)
+    if hvd.size() == 2:
+        with pytest.raises(hvd.HorovodInternalError, match=r"op=hvd.Adasum while rank\(s\) \[1\]"):
+            hvd.allreduce(torch.ones(2), op=hvd.Adasum)
     hvd.join()
+
+
+def _adasum_pair(a: torch.Tensor, b: torch.Tensor, counts) -> torch.Tensor:
+    """Horovod's combination of two vectors, tensor by tensor, in float64 (the reference)."""
+    parts, offset = [], 0
+    for count in counts:
+        x, y = a[offset:offset + count].double(), b[offset:offset + count].double()
+        dot, xx, yy = float(x @ y), float(x @ x), float(y @ y)
+        cx = 1 - dot / (2 * xx) if xx >= 1e-8 else 1.0
+        cy = 1 - dot / (2 * yy) if yy >= 1e-8 else 1.0
+        parts.append(cx * x + cy * y)
+        offset += count
+    return torch.cat(parts)
+
+
+def adasum_reference(vectors, counts):
+    """The binary tree in rank order: (0, 1), (2, 3), then their results, ..."""
+    level = list(vectors)
+    while len(level) > 1:
+        level = [_adasum_pair(level[k], level[k + 1], counts) for k in range(0, len(level), 2)]
+    return level[0]
+
+
+def test_adasum_combines_as_horovod_or_refuses_a_set_not_a_power_of_2():
+    size, rank = hvd.size(), hvd.rank()
+    if size & (size - 1):
+        with pytest.raises(ValueError, match=f"power of 2 ranks, as in Horovod, got {size}"):
+            hvd.allreduce(torch.ones(3), op=hvd.Adasum)
+        with pytest.raises(ValueError, match=f"power of 2 ranks, as in Horovod, got {size}"):
+            hvd.DistributedOptimizer(torch.optim.SGD(fresh_model().parameters(), lr=0.1),
+                                     op=hvd.Adasum)
+        return
+    # parallel vectors give their mean, orthogonal ones their sum
+    v = torch.arange(1.0, 6.0, dtype=torch.float64)
+    if size == 2:
+        torch.testing.assert_close(hvd.allreduce(v * (rank + 1), op=hvd.Adasum), 1.5 * v)
+    torch.testing.assert_close(hvd.allreduce(v, op=hvd.Adasum), v)
+    basis = torch.zeros(size, dtype=torch.float64)
+    basis[rank] = 2.0
+    torch.testing.assert_close(hvd.allreduce(basis, op=hvd.Adasum), torch.full((size,), 2.0,
+                                                                                dtype=torch.float64))
+    # random vectors: the reference tree; a group gives each tensor its own coefficients;
+    # every rank has the same bits
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(4, 3), (7,), (2, 2, 2)]
+    inputs = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(size)]
+    counts = [int(np.prod(shape)) for shape in shapes]
+    expected = adasum_reference([torch.cat([t.reshape(-1) for t in mine]) for mine in inputs], counts)
+    grouped = hvd.grouped_allreduce(inputs[rank], op=hvd.Adasum)
+    alone = [hvd.allreduce(t, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.25)
+             for t in inputs[rank]]
+    offset = 0
+    for got, one, shape, count in zip(grouped, alone, shapes, counts):
+        want = expected[offset:offset + count].reshape(shape).float()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(one, want / 2)  # the combination is linear in a common factor
+        offset += count
+    bits = torch.cat([g.reshape(-1) for g in grouped])
+    assert all(torch.equal(bits, other) for other in hvd.allgather_object(bits))
+
+
+def test_distributed_optimizer_with_adasum_combines_the_ranks_deltas():
+    """Horovod's delta optimizer: each rank's SGD step on its own gradients; the deltas
+    (here -lr * gradient) combined by Adasum, parameter by parameter."""
+    size = hvd.size()
+    if size & (size - 1):
+        return  # refused (the test above)
+    lr, data = 0.1, [batches(1, 1, r)[0][0] for r in range(size)]
+    model = fresh_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                         named_parameters=model.named_parameters(), op=hvd.Adasum)
+    x, y = data[hvd.rank()]
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    reference = fresh_model()
+    deltas = {name: [] for name, _ in reference.named_parameters()}
+    for r in range(size):
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(reference(data[r][0], rank=r), data[r][1]).backward()
+        for name, p in reference.named_parameters():
+            deltas[name].append(-lr * p.grad if p.grad is not None else torch.zeros_like(p))
+    for name, p in reference.named_parameters():
+        want = p.detach() + adasum_reference([d.reshape(-1) for d in deltas[name]],
+                                             [p.numel()]).reshape(p.shape).float()
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), want, msg=name)
 
 
 def test_process_sets():
@@ -440,8 +530,8 @@ def test_misuse_raises_a_clear_error_on_every_rank():
     t = torch.ones(2)
     with pytest.raises(ValueError, match="op and average were both given"):
         hvd.allreduce(t, average=True, op=hvd.Sum)
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(t, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="op=hvd.Adasum needs floating-point tensors .* got torch.int64"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int64), op=hvd.Adasum)
     with pytest.raises(ValueError, match="op must be hvd.Average, .* got 17"):
         hvd.allreduce(t, op=17)
     # Average on integers, as Horovod: the exact quotient, rounded toward zero
