@@ -214,7 +214,9 @@ def judge_differ(judge: Judge, run: dict, folder: Path) -> None:
 
 
 def judge_killed(judge: Judge, run: dict, folder: Path) -> None:
-    """Rank 3 named as killed: by mpidp's summary, the launcher's rank, or its pid in a pid file."""
+    """Rank 3 named as killed: by mpidp's summary, the launcher's rank, its pid in a pid file, or
+    the trace (of the files the survivors wrote and of the black boxes of the ranks that were
+    SIGKILLed before they could write: hydra kills them all at once)."""
     output = run["output"]
     judge.check(run["returncode"] not in (0, None), "the job failed", f"exit {run['returncode']}")
     lines, groups = summary(output)
@@ -243,26 +245,26 @@ def judge_killed(judge: Judge, run: dict, folder: Path) -> None:
     if owners == {str(ODD)}:
         named.append("the launcher (" + ("rank" if blocks[0][0] else "pid, and the pid file")
                      + ")")
+    if list(folder.glob("rank-*.json")) or list(folder.glob("rank-*.box")):
+        # the survivors' records (SIGTERM before SIGKILL), else the black boxes of ranks that
+        # were SIGKILLed before they could write (hydra): the trace must name rank 3
+        status, text = trace(folder)
+        run["trace"] = text
+        absent = re.search(r"^no file from ranks? ([0-9, -]+) ", text, re.M)
+        first = first_finding(text)
+        by_trace = (absent is not None and ODD in _ranks(absent[1])) or (
+            first.startswith("1. never arrived on ") and f"\n    rank {ODD} never started it" in first)
+        judge.check(by_trace, f"trace: rank {ODD} left no record or never arrived first", text)
+        if by_trace:
+            named.append("the trace")
     pid = re.search(r"^=\s+(?:RANK \d+ )?PID \d+ RUNNING AT .*", output, re.M)
     judge.check(bool(named), f"rank {ODD} named as killed (mpidp's summary, the launcher's rank, "
-                             f"or the launcher's pid in a pid file)",
+                             f"the launcher's pid in a pid file, or the trace)",
                 (lines[0] if lines else "") or
                 (f"{pid[0].strip('= ')} (rank {', '.join(sorted(owners)) or '?'} by the pid "
                  f"files)" if pid else output[-1500:]))
     run["named_by"] = named
     run["launcher_named"] = sorted(owners)  # the ranks of the processes hydra reported
-    if list(folder.glob("rank-*.json")):  # survivors wrote records (SIGTERM before SIGKILL)
-        status, text = trace(folder)
-        run["trace"] = text
-        absent = re.search(r"^no file from ranks? ([0-9, -]+) ", text, re.M)
-        judge.check((absent is not None and ODD in _ranks(absent[1])) or judge_never_arrived_ok(text),
-                    f"trace: rank {ODD} left no record or never arrived", text)
-
-
-def judge_never_arrived_ok(text: str) -> bool:
-    probe = Judge()
-    judge_never_arrived(probe, text)
-    return not probe.failures
 
 
 def judge_late(judge: Judge, run: dict, folder: Path) -> None:

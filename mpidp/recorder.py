@@ -29,6 +29,21 @@ a bare ``mpiexec``, a name rank 0 chose at import (``set_job``). mpidp dumps on
 a stall (``mpidp.watchdog``), on an error that ends the job (``mpidp.runtime``),
 on a signal (``mpidp.stacks``) and when the program calls ``dump()``.
 
+**The black box.** A launcher that kills every rank with SIGKILL as soon as one
+dies (MPICH's and Intel MPI's hydra) leaves no time to dump. So from
+``open_box()`` on (``mpidp.stacks.arm``, at import) the ring's last
+``_BOX_SLOTS`` starts and ends are also written, as they happen, into
+``rank-NNNNN.box``, a file mapped into memory (``mmap``): what a killed process
+wrote there is in the kernel's page cache and reaches the file whatever kills it.
+A slot holds the communicator's index (``rank-NNNNN.comms`` names each: one
+line per communicator, written when first seen), the sequence number, the
+element count, the start, the end, the operation, the dtype and the ticket, in
+that order, in one ``pack_into``: the ticket is written last, so a reader takes
+no half-written slot for a whole one. ``bench/recorder_bench.py`` measures the
+cost with the rest of the recorder.
+``mpidp.trace`` reads a rank's box where the rank left no ``.json``. A clean
+exit removes both files.
+
 Imports nothing from mpidp but ``settings`` and ``communicators``, and never calls MPI.
 """
 
@@ -36,9 +51,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import os
 import re
 import socket
+import struct
 import sys
 import threading
 import time
@@ -46,7 +63,8 @@ import traceback
 
 from . import communicators, settings
 
-__all__ = ["dump", "directory", "enabled", "entries", "started", "ended", "write"]
+__all__ = ["close_box", "dump", "directory", "enabled", "entries", "ended", "open_box",
+           "read_box", "started", "write"]
 
 _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "PMIX_NAMESPACE")
 _FORMAT = 1  # the files' layout; mpidp.trace refuses others
@@ -63,15 +81,31 @@ class _Entry:
 
 
 class _Channel:
-    """A communicator as the recorder knows it: its key and its next sequence number."""
+    """A communicator as the recorder knows it: its key, its next sequence number and its
+    index in the black box's ``.comms`` file."""
 
-    __slots__ = ("comm", "record", "seq")
+    __slots__ = ("comm", "index", "record", "seq")
 
-    def __init__(self, comm, record):
+    def __init__(self, comm, record, index):
         self.comm = comm  # held: its id() keys _channels and must not be reused
         self.record = record
+        self.index = index
         self.seq = itertools.count(1)  # the first collective is #1
 
+
+# The black box's layout (mpidp.trace reads it): a header, then _BOX_SLOTS slots.
+_BOX_MAGIC = b"mpidpbox"
+_BOX_HEAD = struct.Struct("<8s i i i i q d d 64s")  # magic, format, rank, size, slots, pid,
+_BOX_HEAD_SIZE = 128                                # the anchor (wall, monotonic), host
+# a slot: channel, seq, count, start, end, op, dtype, and the ticket last (packed in order)
+_BOX_SLOT = struct.Struct("<i 4x q q d d 24s 16s q")
+_BOX_END = struct.Struct("<d")  # at a slot's offset 32
+_BOX_SLOT_SIZE = 88
+_BOX_SLOTS = 256
+_box_tickets = [-1] * _BOX_SLOTS  # the ticket each slot holds now: ended() writes only its own
+_box = None  # the mmap, from open_box() on
+_box_comms = None  # the open .comms file
+_box_names: dict = {}  # op or dtype -> its bytes, encoded once
 
 _size = settings.get("MPIDP_TRACE_ENTRIES")
 _ring = [_Entry() for _ in range(_size)]
@@ -95,8 +129,119 @@ def _channel(comm) -> _Channel:
     with _channels_lock:
         found = _channels.get(id(comm))
         if found is None:
-            found = _channels[id(comm)] = _Channel(comm, communicators.identify(comm))
+            found = _channels[id(comm)] = _Channel(comm, communicators.identify(comm),
+                                                   len(_channels))
+            _box_name(found)
         return found
+
+
+def _box_name(channel: _Channel) -> None:
+    """Name ``channel`` in the ``.comms`` file (with _channels_lock held)."""
+    if _box_comms is not None:
+        try:
+            _box_comms.write(f"{channel.index}\t{channel.record.key}\t{channel.record.owner}\n")
+            _box_comms.flush()
+        except OSError:
+            pass
+
+
+def _encoded(value, width: int) -> bytes:
+    found = _box_names.get(value)
+    if found is None:
+        text = "" if value is None else str(value).removeprefix("torch.")
+        found = _box_names[value] = text.encode(errors="replace")[:width]
+    return found
+
+
+def open_box() -> None:
+    """Map this rank's black box, ``rank-NNNNN.box``, and start writing into it (once, at
+    import, after ``set_job``); nothing if the recorder is off or the file cannot be made."""
+    global _box, _box_comms
+    if not _size or _box is not None:
+        return
+    try:
+        size = _BOX_HEAD_SIZE + _BOX_SLOTS * _BOX_SLOT_SIZE
+        with open(path(".box"), "w+b") as out:
+            out.truncate(size)
+            box = mmap.mmap(out.fileno(), size)
+        comms = open(path(".comms"), "w")
+    except (OSError, ValueError) as error:
+        _complain(error)
+        return
+    _BOX_HEAD.pack_into(box, 0, _BOX_MAGIC, _FORMAT, _rank, _world, _BOX_SLOTS, os.getpid(),
+                        _anchor[0], _anchor[1], socket.gethostname().encode()[:64])
+    with _channels_lock:
+        _box_comms = comms
+        for channel in _channels.values():
+            _box_name(channel)
+        _box = box
+
+
+def read_box(box_path: str) -> dict | None:
+    """A black box as ``dump`` would have written the rank's file (what the slots hold: no
+    stacks, no scope, and ``extra`` None: not known), or None if ``box_path`` is not one. For
+    ``mpidp.trace``."""
+    with open(box_path, "rb") as source:
+        data = source.read()
+    if len(data) < _BOX_HEAD_SIZE or not data.startswith(_BOX_MAGIC):
+        return None
+    _, layout, rank, size, slots, pid, wall, monotonic, host = _BOX_HEAD.unpack_from(data, 0)
+    if layout != _FORMAT or len(data) < _BOX_HEAD_SIZE + slots * _BOX_SLOT_SIZE:
+        return None
+    keys, owners = {}, {}
+    try:
+        with open(box_path.removesuffix(".box") + ".comms") as names:
+            for line in names:
+                index, key, owner = line.rstrip("\n").split("\t", 2)
+                keys[int(index)] = key
+                owners[key] = owner
+    except (OSError, ValueError):
+        pass
+    found = []
+    for slot in range(slots):
+        channel, seq, count, start, end, op, dtype, ticket = _BOX_SLOT.unpack_from(
+            data, _BOX_HEAD_SIZE + slot * _BOX_SLOT_SIZE)
+        if seq < 1 or ticket % slots != slot:
+            continue  # never written, or torn
+        found.append(dict(
+            ticket=ticket, comm=keys.get(channel, f"communicator {channel} (not named)"), seq=seq,
+            op=op.rstrip(b"\0").decode(errors="replace"), count=count,
+            dtype=dtype.rstrip(b"\0").decode(errors="replace") or None, extra=None, what=None,
+            thread=0, start=start, end=end if end >= start else None))
+    found.sort(key=lambda entry: entry["ticket"])
+    latest = max([wall] + [wall + max(e["start"], e["end"] or 0.0) - monotonic for e in found])
+    return dict(format=_FORMAT, rank=rank, size=size, host=host.rstrip(b"\0").decode(), pid=pid,
+                reason="its black box (the process ended without writing its file: killed?)",
+                written=latest, anchor=dict(wall=wall, monotonic=monotonic), capacity=slots,
+                waits=[], communicators={key: dict(owner=owner, issuer=None, size=None)
+                                         for key, owner in owners.items()},
+                entries=found, threads={})
+
+
+def _forked() -> None:
+    global _box, _box_comms
+    _box, _box_comms = None, None  # a fork's child (a DataLoader worker) writes nothing there
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def close_box() -> None:
+    """At a clean exit: stop writing, remove the box and its ``.comms`` file."""
+    global _box, _box_comms
+    box, comms, _box, _box_comms = _box, _box_comms, None, None
+    if box is None:
+        return
+    for closing in (comms.close, box.close):
+        try:
+            closing()
+        except (OSError, BufferError):
+            pass
+    for suffix in (".box", ".comms"):
+        try:
+            os.unlink(path(suffix))
+        except OSError:
+            pass
 
 
 def started(comm, op: str, count: int, dtype, extra=(), what=None) -> int:
@@ -129,7 +274,14 @@ def started(comm, op: str, count: int, dtype, extra=(), what=None) -> int:
     entry.what = what
     entry.thread = _ident()
     entry.end = 0.0
-    entry.start = _clock()
+    entry.start = start = _clock()
+    box = _box
+    if box is not None:
+        slot = ticket % _BOX_SLOTS
+        _box_tickets[slot] = ticket
+        _BOX_SLOT.pack_into(box, _BOX_HEAD_SIZE + slot * _BOX_SLOT_SIZE, channel.index, entry.seq,
+                            count, start, 0.0, _box_names.get(op) or _encoded(op, 24),
+                            _box_names.get(dtype) or _encoded(dtype, 16), ticket)
     return ticket
 
 
@@ -138,7 +290,11 @@ def ended(ticket: int) -> None:
     if ticket >= 0:
         entry = _ring[ticket % _size]
         if entry.ticket == ticket:
-            entry.end = _clock()
+            entry.end = end = _clock()
+            box = _box
+            if box is not None and _box_tickets[ticket % _BOX_SLOTS] == ticket:
+                _BOX_END.pack_into(box, _BOX_HEAD_SIZE + (ticket % _BOX_SLOTS) * _BOX_SLOT_SIZE
+                                   + 32, end)
 
 
 # -- writing it out ----------------------------------------------------------------------

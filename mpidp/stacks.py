@@ -30,12 +30,13 @@ since ``signal.signal`` silently replaces faulthandler's. A program that uses
 Beside it, ``rank-NNNNN.pid`` names the rank with its pid and host (``mpidp rank
 3/4, pid 23929 on n1``): a launcher that reports a process killed by a signal
 names it by pid and host only (MPICH's and Intel MPI's hydra), and then kills
-every other rank at once with SIGKILL, so this line is all mpidp can leave to
-say which rank it was. It is a file of its own because ``poll`` takes any
+every other rank at once with SIGKILL, so this line and the flight recorder's
+black box (``recorder.open_box``, opened here) are all mpidp can leave to say
+which rank it was and where each rank was. It is a file of its own because ``poll`` takes any
 growth of the stacks file for a signal's stacks, and a second job with the same
 ``MPIDP_TRACE_DIR`` (a nested launch) opens the same files. At a clean exit the
-pid file and an empty stacks file are removed, and the directory with them when
-that leaves it empty.
+pid file, the black box and an empty stacks file are removed, and the directory
+with them when that leaves it empty.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def arm(rank: int, size: int) -> None:
         _seen = os.fstat(_file.fileno()).st_size  # an earlier launch's, in the same directory
         with open(recorder.path(".pid"), "w") as named:
             named.write(f"mpidp rank {rank}/{size}, pid {os.getpid()} on {socket.gethostname()}\n")
+        recorder.open_box()
     except OSError as error:
         os.write(2, f"mpidp: no stacks at a signal or a stall: cannot open a file in "
                     f"{recorder.directory()} ({error}); set MPIDP_TRACE_DIR\n".encode())
@@ -192,6 +194,7 @@ def _close() -> None:
     name = _file.name
     _file.close()
     _file = None
+    recorder.close_box()
     try:
         os.unlink(recorder.path(".pid"))
     except OSError:

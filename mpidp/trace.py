@@ -32,6 +32,7 @@ import os
 import re
 
 from .communicators import fold
+from .recorder import read_box
 
 __all__ = ["load", "analyse", "report", "main"]
 
@@ -39,7 +40,8 @@ _FORMAT = 1
 
 
 def load(folder: str) -> dict[int, dict]:
-    """Every ``rank-NNNNN.json`` of ``folder``, by rank.
+    """Every ``rank-NNNNN.json`` of ``folder``, by rank; for a rank without one, its black box
+    (``rank-NNNNN.box``: the process was killed before it could write, ``mpidp.recorder``).
 
     Raises:
         FileNotFoundError: ``folder`` holds no such file.
@@ -52,9 +54,13 @@ def load(folder: str) -> dict[int, dict]:
         if data.get("format") != _FORMAT:
             raise ValueError(f"{name}: layout {data.get('format')!r}, this mpidp reads {_FORMAT}")
         found[data["rank"]] = data
+    for name in sorted(glob.glob(os.path.join(folder, "rank-*.box"))):
+        data = read_box(name)
+        if data is not None and data["rank"] not in found:
+            found[data["rank"]] = data
     if not found:
-        raise FileNotFoundError(f"no rank-NNNNN.json in {folder} (set MPIDP_TRACE_DIR, or look "
-                                f"for mpidp-trace-<job> in the job's working directory)")
+        raise FileNotFoundError(f"no rank-NNNNN.json or .box in {folder} (set MPIDP_TRACE_DIR, "
+                                f"or look for mpidp-trace-<job> in the job's working directory)")
     return found
 
 
@@ -74,7 +80,8 @@ def _members(key: str, size: int) -> list[int]:
 
 def _call(entry: dict) -> str:
     words = [entry["op"]]
-    words += [f"{k}={v}" for k, v in zip(entry["extra"][::2], entry["extra"][1::2])]
+    extra = entry["extra"] or []  # None: not known (a black box keeps no extras)
+    words += [f"{k}={v}" for k, v in zip(extra[::2], extra[1::2])]
     if entry["count"] >= 0:
         words.append(f"count={entry['count']}")
     if entry["dtype"]:
@@ -82,8 +89,9 @@ def _call(entry: dict) -> str:
     return " ".join(words)
 
 
-def _signature(entry: dict) -> tuple:
-    return entry["op"], tuple(entry["extra"]), entry["count"], entry["dtype"]
+def _signature(entry: dict, extras: bool = True) -> tuple:
+    """What must be alike on every rank; ``extras`` False where some rank's are not known."""
+    return entry["op"], tuple(entry["extra"]) if extras else (), entry["count"], entry["dtype"]
 
 
 def _wall(data: dict, monotonic: float) -> float:
@@ -138,8 +146,9 @@ def _first_problem(key, owner, members, held, ranks) -> dict | None:
             continue
         absent = [r for r in members if r not in present]
         signatures: dict[tuple, list[int]] = {}
+        extras = all(entry["extra"] is not None for entry in present.values())
         for rank, entry in present.items():
-            signatures.setdefault(_signature(entry), []).append(rank)
+            signatures.setdefault(_signature(entry, extras), []).append(rank)
         when = min(_wall(ranks[r], e["start"]) for r, e in present.items())
         where = f"{key} ({owner}), collective #{seq}"
         if len(signatures) > 1:
@@ -147,8 +156,8 @@ def _first_problem(key, owner, members, held, ranks) -> dict | None:
             for group in sorted(signatures.values(), key=min):
                 lines.append(f"    {_rank_words(group)}: {_described(present[group[0]])}")
             return dict(when=when, kind="differ", ranks=signatures, lines=lines)
-        if absent:
-            sample = next(iter(present.values()))
+        if absent:  # described by a rank that knows it best (a file over a black box)
+            sample = max(present.values(), key=lambda entry: entry["extra"] is not None)
             lines = [f"never arrived on {where}, started {_when(when, ranks)} by "
                      f"{_rank_words(sorted(present))}: {_described(sample)}"]
             for rank in absent:

@@ -465,11 +465,12 @@ def test_a_launcher_that_ends_the_job_leaves_every_ranks_stacks_and_record(tmp_p
     assert "rank 0: allreduce op=sum" in trace and "(DDP step 3 bucket 1/" in trace, trace
 
 
-def test_a_killed_rank_leaves_its_pid_and_host_in_its_pid_file(tmp_path):
+def test_a_killed_rank_leaves_its_pid_file_and_the_black_boxes_name_it(tmp_path):
     """Rank 1 killed by SIGKILL at step 3: MPICH's hydra SIGKILLs rank 0 at once, so no watchdog
     can report, and names one process by pid and host (not always the killed one: soak runs named
     rank 0's). Each rank's rank-NNNNN.pid names its rank, pid and host, so a pid (hydra's, the
-    kernel's OOM message) gives its rank."""
+    kernel's OOM message) gives its rank; and the ranks' black boxes (mpidp.recorder), written as
+    the collectives went, let `python -m mpidp trace` name rank 1 as the one that never came."""
     result, _ = _stall(2, "kill", "1", "inline", env={"MPIDP_TRACE_DIR": str(tmp_path)})
     assert result.returncode != 0
     heads = {rank: (tmp_path / f"rank-{rank:05d}.pid").read_text().strip() for rank in range(2)}
@@ -482,6 +483,8 @@ def test_a_killed_rank_leaves_its_pid_and_host_in_its_pid_file(tmp_path):
     else:
         assert any(head.endswith(f", pid {named[1]} on {named[2]}") for head in heads.values()), \
             (heads, named[0])
+    status, trace = _trace(tmp_path)
+    assert status == 1 and "rank 1 never started it" in trace, trace + output[-3000:]
 
 
 def test_watchdog_ranks_end_the_job_when_rank_0_cannot():

@@ -391,3 +391,48 @@ def test_trace_names_the_rank_that_never_came_before_the_ranks_that_waited_for_i
     assert lines[last].startswith("3. never arrived on ranks 0, 2 #1"), lines
     assert lines[last + 2].startswith("    rank 2 was waiting in shared-memory allreduce op=sum "
                                       "count=68362 dtype=float32 (DDP step 3 bucket 1/2"), lines
+
+
+def test_trace_reads_the_black_box_of_a_rank_killed_before_it_wrote():
+    """Real files (tests/data/trace-killed-box: bench/stall_soak.py's ``killed``, Open MPI, two
+    nodes of 2 ranks): rank 3 killed itself with SIGKILL in DDP step 3; ranks 0-2 wrote their
+    records at the launcher's SIGTERM, rank 3 left only its black box (no scope, no extras).
+    The trace reads the box, does not take the missing extras for a divergence, and names
+    rank 3 first."""
+    from mpidp import trace
+    lines, agree = trace.report(str(ROOT / "tests" / "data" / "trace-killed-box"))
+    assert not agree
+    assert "written by rank 3: its black box" in "\n".join(lines), lines
+    assert not any("divergence" in line for line in lines), lines
+    first = next(n for n, line in enumerate(lines) if line.startswith("1. "))
+    assert lines[first].startswith("1. never arrived on ranks 1, 3 #1"), lines
+    assert "(DDP step 3 bucket 1/2" in lines[first], lines  # described from rank 1's file
+    assert lines[first + 1].startswith("    rank 3 never started it; its last there: #5 allreduce "
+                                       "count=8320 dtype=float32"), lines
+
+
+def test_black_box_round_trip_and_a_clean_close(tmp_path, monkeypatch):
+    """What started() and ended() write into the box is what read_box() gives back: ended
+    collectives with their end, one in flight without; close_box() removes both files."""
+    from mpi4py import MPI
+
+    from mpidp import recorder
+    monkeypatch.setenv("MPIDP_TRACE_DIR", str(tmp_path))
+    assert recorder._box is None  # one process, no watchdog: nothing opened it
+    recorder.open_box()
+    try:
+        box = next(tmp_path.glob("rank-*.box"))
+        for count in (3, 4):
+            recorder.ended(recorder.started(MPI.COMM_SELF, "allreduce", count, torch.float64))
+        recorder.started(MPI.COMM_SELF, "Bcast", 5, "int64")
+        data = recorder.read_box(str(box))
+        mine = [e for e in data["entries"] if e["comm"] == data["entries"][-1]["comm"]][-3:]
+        assert [(e["op"], e["count"], e["dtype"]) for e in mine] == [
+            ("allreduce", 3, "float64"), ("allreduce", 4, "float64"), ("Bcast", 5, "int64")]
+        assert [e["seq"] for e in mine] == [mine[0]["seq"] + k for k in range(3)]
+        assert mine[0]["end"] >= mine[0]["start"] and mine[1]["end"] is not None
+        assert mine[2]["end"] is None and mine[2]["extra"] is None
+        assert data["pid"] == __import__("os").getpid()
+    finally:
+        recorder.close_box()
+    assert not list(tmp_path.glob("rank-*"))
