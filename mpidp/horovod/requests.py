@@ -324,12 +324,9 @@ def refuse(process_set: _sets.ProcessSet, kind: int, problem: BaseException):
 
 @contextlib.contextmanager
 def checking(process_set: _sets.ProcessSet, kind: int):
-    """A bad argument found within fails on every rank of the set, not on this one alone.
-
-    Wraps a call's local checks (no collective inside); on a ``TypeError``,
-    ``ValueError`` or ``NotImplementedError`` this rank takes part in the set's
-    negotiation with it (``refuse``), so the others raise instead of waiting.
-    """
+    """A bad argument found within fails on every rank of the set, not on this one alone: it
+    wraps a call's local checks (no collective inside); on a ``TypeError``, ``ValueError`` or
+    ``NotImplementedError`` this rank takes part in the set's negotiation with it (``refuse``)."""
     try:
         yield
     except (TypeError, ValueError, NotImplementedError) as error:
@@ -394,14 +391,13 @@ REFUSED_IN_JOIN = (ALLGATHER, BROADCAST, ALLTOALL, OBJECT)
 
 
 def joined_error(kind: int, joined: list[int], op: int = 0) -> HorovodInternalError:
-    """The error every active rank raises for a collective that joined ranks cannot serve."""
-    if op == OP_CODES["adasum"]:  # a joined rank would need each tensor's bounds in the group
-        return HorovodInternalError(
-            f"hvd.allreduce with op=hvd.Adasum while rank(s) {joined} have called hvd.join(): "
-            f"joined ranks serve only the sums (Average, Sum), min, max and product")
+    """The error every active rank raises for a collective that joined ranks cannot serve
+    (Adasum: a joined rank would need the bounds of each tensor of the group)."""
+    adasum = op == OP_CODES["adasum"]
     return HorovodInternalError(
-        f"hvd.{KIND_NAMES[kind]} while rank(s) {joined} have called hvd.join(): as in Horovod, "
-        f"joined ranks serve only allreduce, grouped_allreduce, reducescatter and barrier")
+        f"hvd.{KIND_NAMES[kind]}{' with op=hvd.Adasum' if adasum else ''} while rank(s) {joined} "
+        f"have called hvd.join(): joined ranks serve only " + ("the sums, min, max and product"
+        if adasum else "allreduce, grouped_allreduce, reducescatter and barrier, as in Horovod"))
 
 
 def begin(process_set: _sets.ProcessSet, kind: int, launch, finish, keep=(), *, name=None,
