@@ -25,6 +25,13 @@ def mpiexec() -> str:
     return found
 
 
+def launch_argv(nprocs: int) -> list[str]:
+    """``mpiexec [--oversubscribe] -n NPROCS``: the start of a command line for ``nprocs`` ranks
+    (Open MPI refuses more ranks than cores without --oversubscribe)."""
+    launcher = mpiexec()
+    return [launcher, *_oversubscribe_flags(launcher), "-n", str(nprocs)]
+
+
 def _oversubscribe_flags(launcher: str) -> list[str]:
     version = subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout
     return ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
@@ -68,13 +75,11 @@ _MPICH_YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
 
 def _run(nprocs, args, timeout, env, check) -> subprocess.CompletedProcess:
-    launcher = mpiexec()
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nprocs > len(os.sched_getaffinity(0)):
         full_env.update(_MPICH_YIELD)
     full_env.update(env)
-    command = [launcher, *_oversubscribe_flags(launcher), "-n", str(nprocs),
-               sys.executable, *args]
+    command = [*launch_argv(nprocs), sys.executable, *args]
     job = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import ROOT, mpiexec  # noqa: E402
+from launch import ROOT, launch_argv  # noqa: E402
 from test_preemption import ARGS, EXAMPLE, LINE, _ranks_of  # noqa: E402
 
 SAVED = re.compile(r"mpidp: stopped at step (\d+) .*checkpoint saved in ([\d.]+) s")
@@ -42,7 +42,7 @@ def launch(nprocs: int, directory: str, moment, signum: int, everyone: bool):
     ``moment``: None (no signal), ("start-up", seconds after the launch) or ("step", k, seconds
     after rank 0 printed step k: inside step k+1's forward, backward, allreduces or save).
     """
-    command = [mpiexec(), "-n", str(nprocs), sys.executable, EXAMPLE, "--checkpoint-dir",
+    command = [*launch_argv(nprocs), sys.executable, EXAMPLE, "--checkpoint-dir",
                directory, *ARGS, "--save-every", "3", "--pace", "0.2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.monotonic()

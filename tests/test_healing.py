@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from heal_model import STEPS, reference as _reference, worst_difference
-from launch import ROOT, mpiexec
+from launch import ROOT, launch_argv
 
 SCRIPT = "tests/mpi/heal_train.py"
 RELATIVE = 1e-12
@@ -95,8 +95,8 @@ def test_killed_ranks_heal_and_the_run_follows_the_reference(tmp_path, reference
 def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_path, reference):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    first = [mpiexec(), "-n", "3", sys.executable, SCRIPT, "--checkpoint-dir", str(directory),
-             "--kill", "2:11:forward"]
+    script = [sys.executable, SCRIPT, "--checkpoint-dir", str(directory)]
+    first = [*launch_argv(3), *script, "--kill", "2:11:forward"]
     began = time.monotonic()
     result = subprocess.run(first, cwd=ROOT, env=env, capture_output=True, text=True,
                             errors="replace", timeout=180, start_new_session=True)
@@ -105,7 +105,7 @@ def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_pa
     print(f"the job ended {time.monotonic() - began:.1f} s after its launch")
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == \
         ["step-000000008"]
-    again = subprocess.run([mpiexec(), "-n", "2", *first[3:-2]], cwd=ROOT, env=env,
+    again = subprocess.run([*launch_argv(2), *script], cwd=ROOT, env=env,
                            capture_output=True, text=True, errors="replace", timeout=180,
                            start_new_session=True)
     assert again.returncode == 0, again.stderr[-4000:]

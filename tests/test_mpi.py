@@ -440,7 +440,7 @@ def test_a_launcher_that_ends_the_job_leaves_every_ranks_stacks_and_record(tmp_p
     rank 0 sits in C in a DDP bucket, rank 1 in Python; both write stacks and flight record."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPIDP_TIMEOUT="600",
                MPIDP_TRACE_DIR=str(tmp_path), MPIDP_SHARED_MEMORY="0")
-    job = subprocess.Popen([launch.mpiexec(), "-n", "2", sys.executable, STALL, "sleep", "1"],
+    job = subprocess.Popen([*launch.launch_argv(2), sys.executable, STALL, "sleep", "1"],
                            cwd=launch.ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ROOT, mpiexec
+from launch import ROOT, launch_argv
 
 EXAMPLE = "examples/train_preemptible.py"
 STEPS = 30
@@ -65,7 +65,7 @@ def _launch(nprocs: int, directory: Path, *extra: str, signal_after: int | None 
             signum: int = signal.SIGTERM, timeout: float = 240) -> tuple[int, str, str]:
     """Run the example; with ``signal_after``, signal one rank once that step is printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    command = [mpiexec(), "-n", str(nprocs), sys.executable, EXAMPLE,
+    command = [*launch_argv(nprocs), sys.executable, EXAMPLE,
                "--checkpoint-dir", str(directory), *ARGS, *extra]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
