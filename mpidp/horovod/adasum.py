@@ -15,8 +15,10 @@ every rank of the set ends with the same bits. Memory: one more vector; traffic:
 log2(size) whole vectors per rank.
 
 The exchange blocks the calling thread: a request of ``op=hvd.Adasum`` runs when it
-starts (``requests.begin``), after the negotiation, and its handle is complete at
-once. Dot products and norms are summed in float64; the result is rounded once to
+starts (``requests.begin``), after the negotiation and under the set's lock, so no
+other thread of this rank issues on the set meanwhile, and its handle is complete at
+once. Its messages (tag ``_TAG``) are the only point-to-point ones mpidp.horovod sends
+on a set's data communicator; the partners of a level post them in the same order. Dot products and norms are summed in float64; the result is rounded once to
 the tensor's dtype.
 """
 

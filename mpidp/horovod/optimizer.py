@@ -355,7 +355,8 @@ class _AdasumOptimizer(_DistributedOptimizer):
         """Step the wrapped optimizer on this rank's gradients and combine the deltas."""
         with self._lock:
             try:
-                if not self._process_set.included():
+                if not self._process_set.included():  # as the other ops: this rank's own step
+                    self._optimizer.step()
                     return
                 with torch.no_grad():
                     before = {id(p): p.detach().clone() for p in self._params}
