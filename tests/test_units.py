@@ -436,3 +436,41 @@ def test_black_box_round_trip_and_a_clean_close(tmp_path, monkeypatch):
     finally:
         recorder.close_box()
     assert not list(tmp_path.glob("rank-*"))
+
+
+def test_two_threads_write_the_black_box_at_once(tmp_path, monkeypatch):
+    """The box is one mapping that every thread writes (rule: a slot per ticket, the ticket
+    written last): two threads recording at once on communicators of their own leave whole
+    slots, each channel's collectives in its order, every end after its start."""
+    import threading
+
+    from mpi4py import MPI
+
+    from mpidp import recorder
+    monkeypatch.setenv("MPIDP_TRACE_DIR", str(tmp_path))
+    comms = [MPI.COMM_SELF.Dup() for _ in range(2)]
+    recorder.open_box()
+    try:
+        def record(comm):
+            for count in range(3000):
+                recorder.ended(recorder.started(comm, "allreduce", count, torch.float32))
+        threads = [threading.Thread(target=record, args=(comm,)) for comm in comms]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        data = recorder.read_box(str(next(tmp_path.glob("rank-*.box"))))
+    finally:
+        recorder.close_box()
+        for comm in comms:
+            comm.Free()
+    entries = data["entries"]
+    assert len(entries) == recorder._BOX_SLOTS  # the last 256 of 6000, all whole
+    by_comm = {}
+    for entry in entries:  # oldest first
+        by_comm.setdefault(entry["comm"], []).append(entry)
+        assert entry["op"] == "allreduce" and entry["dtype"] == "float32"
+        assert entry["end"] is not None and entry["end"] >= entry["start"]
+    for mine in by_comm.values():
+        assert [e["seq"] for e in mine] == sorted(e["seq"] for e in mine)
+        assert all(e["count"] == e["seq"] - mine[0]["seq"] + mine[0]["count"] for e in mine)
