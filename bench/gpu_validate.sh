@@ -30,6 +30,9 @@
 #          Horovod's two PyTorch examples on the GPU: at 1 rank as decided and staged; with
 #          MPICH also at 2 ranks on the one GPU, each rank a node of its own
 #          (MPIR_CVAR_NUM_CLIQUES=2: the suite puts rank r on GPU hvd.local_rank());
+#          HVD_RANKS: other rank counts (MPICH: each rank its own node); HVD_LIST=1: first list
+#          every failure at each count (bench/horovod_suite_failures.sh); HVD_STAGED="": no
+#          pass/fail run; HVD_EXAMPLES=0: not the examples;
 #   suite: the whole test suite with the GPU visible.
 set -uo pipefail
 out=${1:?usage: gpu_validate.sh OUTDIR [tests|bench|profile|suite]...}
@@ -144,8 +147,18 @@ horovod)
     suite=$(realpath "${HOROVOD_SUITE:-../shared/horovod-0.28.1}")
     shim="PYTHONPATH=$PWD/tests/horovod_shim:${PYTHONPATH:-} PYTHONDONTWRITEBYTECODE=1"
     sizes=1; $launcher --version 2>&1 | grep -qi hydra && sizes="1 2"
-    for ranks in $sizes; do
-        for staged in unset 0; do
+    for ranks in ${HVD_RANKS:-$sizes}; do
+        if [ -n "${HVD_LIST:-}" ]; then  # every failure, listed (bench/horovod_suite_failures.sh)
+            # at 3 ranks no float16 output can pass the three float16 prescale tests
+            # (docs/horovod.md): deselected there, to count the others
+            f16=; [ "$ranks" = 3 ] && f16=test_horovod_allreduce_prescale,test_horovod_reducescatter_prescale,test_horovod_grouped_reducescatter_prescale
+            env HOROVOD_SUITE="$suite" PY=$py MPIEXEC=$launcher RANKS=$ranks ROUNDS=${HVD_ROUNDS:-4} \
+                HVD_DESELECT=$f16 \
+                MPIR_CVAR_NUM_CLIQUES=$ranks T=${T:-600} \
+                bash bench/horovod_suite_failures.sh "$out/list_$ranks" 2>&1 \
+                | tee -a "$out/horovod_suite.txt"
+        fi
+        for staged in ${HVD_STAGED-unset 0}; do
             [ "$ranks" = 2 ] && [ "$staged" = 0 ] && continue  # the MPICH wheel stages anyway
             echo "== $ranks ranks, MPIDP_CUDA_AWARE=$staged" | tee -a "$out/horovod_suite.txt"
             env $( [ "$staged" = 0 ] && echo MPIDP_CUDA_AWARE=0 ) HOROVOD_SUITE="$suite" \
@@ -153,6 +166,7 @@ horovod)
                 $py -m pytest -q -p no:cacheprovider -rs --basetemp "$out/suite_${ranks}_$staged" \
                 tests/test_horovod_suite.py -k gpu 2>&1 | tee -a "$out/horovod_suite.txt"
         done
+        [ "${HVD_EXAMPLES:-1}" = 0 ] && continue
         echo "== examples at $ranks ranks" | tee -a "$out/horovod_examples.txt"
         home=$(mktemp -d)
         env $shim HOME=$home MPIR_CVAR_NUM_CLIQUES=$ranks timeout 300 $launcher -n $ranks \
