@@ -42,10 +42,15 @@ def check(dtype: torch.dtype, size: int) -> None:
     check_size(size)
 
 
+class AdasumSizeError(ValueError, NotImplementedError):
+    """Adasum over a number of ranks that is not a power of 2: a bad argument, and the
+    NotImplementedError Horovod raises for it."""
+
+
 def check_size(size: int) -> None:
     """Refuse a process set whose size is not a power of 2."""
     if size & (size - 1):
-        raise ValueError(f"op=hvd.Adasum needs a process set of a power of 2 ranks, as in "
+        raise AdasumSizeError(f"op=hvd.Adasum needs a process set of a power of 2 ranks, as in "
                          f"Horovod, got {size} ranks")
 
 

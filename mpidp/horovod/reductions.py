@@ -37,6 +37,9 @@ _OP_LABELS = {Average: "hvd.Average", Sum: "hvd.Sum", Min: "hvd.Min", Max: "hvd.
               Product: "hvd.Product", Adasum: "hvd.Adasum"}
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class MixedDevicesError(ValueError, RuntimeError):
     """A group of tensors on more than one device: a bad argument (negotiated as one), and
     the RuntimeError Horovod's core raises for it."""
@@ -164,18 +167,24 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
     else:
         flat = torch.cat([t.reshape(-1) for t in tensors])
     scale_(flat, prescale)
+    # a product of 16-bit floats is taken in float32 and rounded once, as torch's CUDA prod
+    # does: rounded after each rank's factor, it overflows early (inf times 0 is nan) and
+    # depends on the order of the ranks
+    wide = flat.float() if mpi_op == "prod" and flat.dtype in _HALF else flat
 
     def launch():
         if mpi_op == "adasum":  # runs now, on this thread (adasum.py)
             _adasum.reduce_(flat, [t.numel() for t in tensors], process_set.data)
             return []
-        return [_comm.iallreduce(flat, mpi_op, comm=process_set.data)]
+        return [_comm.iallreduce(wide, mpi_op, comm=process_set.data)]
 
     def reduce_now():
         direct.start(flat)
         return []
 
     def finish():
+        if wide is not flat:
+            flat.copy_(wide)
         scale_(flat, *scale)
         offset = 0
         for k, tensor in zip(members, tensors):
@@ -194,7 +203,7 @@ def _begin_group(tensors, members, outputs, inplace, mpi_op, prescale, scale, na
     # depends on it)
     detail = f"{detail}, {flat.device.type} memory"
     return _requests.begin(process_set, _requests.ALLREDUCE, launch, finish,
-                           keep=(tensors, flat), name=name, nbytes=flat.nbytes,
+                           keep=(tensors, flat, wide), name=name, nbytes=flat.nbytes,
                            direct=reduce_now if direct is not None and cpu else None,
                            dtype=flat.dtype, op=mpi_op, shape=shape, detail=detail)
 
