@@ -52,6 +52,15 @@ NEED_TWO_GPUS_PER_RANK = ["test_horovod_allreduce_multi_gpu", "test_model_parall
 # ... and these at one rank ...
 NEED_TWO_RANKS = ["test_horovod_allreduce_cpu_gpu_error", "test_model_parallelism",
                   "test_delta_optimizer"]
+# At 3 ranks, tests whose reference no result can meet, and which fail on some ranks only
+# (the others would wait in the test's next collective): left out there (docs/horovod.md).
+# Three compare float16 results with 3 x computed in float32 at tolerance 0; at rank 1
+# SyncBatchNorm's output is 0 and torch's BatchNorm1d's, the reference, 6e-8 of rounding.
+NOT_AT_3_RANKS = ["test_horovod_allreduce_prescale", "test_horovod_reducescatter_prescale",
+                  "test_horovod_grouped_reducescatter_prescale", "test_horovod_sync_batch_norm"]
+# Adasum on a GPU over a number of nodes that is not a power of 2: Horovod raises
+# NotImplementedError, and so does mpidp.horovod, on every rank (the test then fails)
+NEED_POWER_OF_2 = ["test_delta_optimizer"]
 # ... without Horovod's gloo controller (HOROVOD_RANK set by horovodrun --gloo) ...
 NEED_GLOO = ["test_horovod_reinit", "test_horovod_is_initialized"]
 # ... and always, upstream (unittest.skip / pytest.mark.skip with Horovod's reasons).
@@ -71,6 +80,8 @@ def expected_outcome(name: str, size: int = 2, local_size: int = 2) -> str:
         return "skipped"
     if name in NEED_TWO_RANKS and size == 1:
         return "skipped"
+    if name in NEED_POWER_OF_2 and size & (size - 1):
+        return "failed"
     return "passed"
 
 
@@ -80,12 +91,15 @@ def shim_env(**extra: str) -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1", **extra}  # nothing written beside the suite
 
 
-def run_suite(nprocs: int, out: Path, *, timeout: float) -> dict[str, list[str]]:
-    """Run the suite on ``nprocs`` ranks; return each test's outcomes, one per rank."""
+def run_suite(nprocs: int, out: Path, *, timeout: float, deselect=(),
+              known_failing=()) -> dict[str, list[str]]:
+    """Run the suite on ``nprocs`` ranks, without the Muon tests and ``deselect``; return
+    each test's outcomes, one per rank."""
     if not SUITE_FILE.exists():
         pytest.skip(f"Horovod's test suite is not at {SUITE} (set HOROVOD_SUITE)")
-    env = shim_env(HVD_SUITE_OUT=str(out), HVD_SUITE_ABORT="1", HVD_SUITE_DESELECT=",".join(MUON),
-                   HVD_SUITE_KNOWN_FAILING=",".join(KNOWN_FAILING))
+    env = shim_env(HVD_SUITE_OUT=str(out), HVD_SUITE_ABORT="1",
+                   HVD_SUITE_DESELECT=",".join([*MUON, *deselect]),
+                   HVD_SUITE_KNOWN_FAILING=",".join([*KNOWN_FAILING, *known_failing]))
     # pytest exits with 1 for the known failures: the outcomes below are what is checked
     result = launch.run(nprocs, ["-m", "pytest", "-c", str(SHIM / "pytest.ini"), "--rootdir",
                                  str(SUITE), str(SUITE_FILE)], timeout=timeout, env=env,
@@ -119,8 +133,11 @@ def test_horovods_own_torch_suite_on_the_gpu(tmp_path):
     nprocs = int(os.environ.get("HVD_SUITE_GPU_RANKS", "1"))
     cliques = int(os.environ.get("MPIR_CVAR_NUM_CLIQUES", "1"))
     local_size = -(-nprocs // cliques)
-    outcomes = run_suite(nprocs, tmp_path, timeout=600)
-    assert len(outcomes) == TESTS - len(MUON), sorted(outcomes)
+    deselect = NOT_AT_3_RANKS if nprocs == 3 else []
+    failing = [name for name in NEED_POWER_OF_2
+               if expected_outcome(name, nprocs, local_size) == "failed"]
+    outcomes = run_suite(nprocs, tmp_path, timeout=600, deselect=deselect, known_failing=failing)
+    assert len(outcomes) == TESTS - len(MUON) - len(deselect), sorted(outcomes)
     wrong = {name: got for name, got in outcomes.items()
              if got != [expected_outcome(name, nprocs, local_size)] * nprocs}
     assert not wrong, wrong
