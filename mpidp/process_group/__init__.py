@@ -250,11 +250,25 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
             self._coalesced.append(work)
         return work
 
-    def _call_check(self, check) -> _work.CallCheck | None:
-        """Start the fingerprint check of ``check`` = (call, tensor, op, root); None alone."""
+    def _call_check(self, check, gate: bool = False) -> _work.CallCheck | None:
+        """Start the fingerprint check of ``check`` = (call, tensor, op, root); None alone.
+        ``gate``: the operation starts only once it agrees, else it started beside it."""
         if check is None or self.size() == 1 or not (_CHECK_CALLS or _comm.checks._DEBUG):
             return None
-        return _work.CallCheck(*check, self._pool)
+        return _work.CallCheck(*check, self._pool, None if gate else self._spoilt)
+
+    def _spoilt(self, what: str) -> None:
+        """A call that differed across ranks had started in MPI (every rank learns it from the
+        same check): what MPI leaves on the group's communicators is undefined, so the group
+        takes no more operations, and the progress thread fails its pending ones."""
+        if self._aborted is None:
+            self._aborted = (f"a call differed across ranks after it had started in MPI ({what}), "
+                             f"which leaves the group's communicators undefined; destroy the "
+                             f"group and make a new one")
+
+    def aborted_error(self) -> dist.DistBackendError:
+        return dist.DistBackendError(f"mpidp: {self!r} was aborted ({self._aborted}); it takes "
+                                     f"no more operations")
 
     def _issue(self, opts, start, result, finish=None, check=None):
         """Run ``start(nonblocking)`` -> handle(s); return a Work for ``result``.
@@ -317,8 +331,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
 
     def _check_usable(self) -> None:
         if self._aborted is not None:
-            raise dist.DistBackendError(f"mpidp: {self!r} was aborted ({self._aborted}); "
-                                        f"it takes no more operations")
+            raise self.aborted_error()
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -351,4 +364,4 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         """
         if self._aborted is None:
             self._aborted = "abort() was called"
-        _progress.abort(self, dist.DistBackendError(f"mpidp: {self!r} was aborted"))
+        _progress.abort(self, self.aborted_error())

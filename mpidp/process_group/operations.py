@@ -105,7 +105,7 @@ class Operations:
             _, (staged,), finish = _comm._stage((tensor,), (tensor,))
             chunks = Chunks(staged, op, self._chunk_comm, nbytes)
         # the call check, once staging could no longer fail here; no chunk starts before it
-        chunks.gate = check = self._call_check(("allreduce", tensor, op, 0))
+        chunks.gate = check = self._call_check(("allreduce", tensor, op, 0), gate=True)
         if not self._async:
             _work.checked_wait([check.handle] if check else [], check, None, [tensor])
             chunks.run()

@@ -1,11 +1,10 @@
 """The torch.distributed backend's Works: pending operations, their futures, waiting on them.
 
-A ``Work`` is what an asynchronous call of the backend ``"mpidp"`` returns: the
-started requests (or a chunked all_reduce, ``mpidp.process_group.chunks``) and the tensors
-torch gets. The progress thread (``mpidp.process_group.progress``) completes it, or a thread
-that waits on its own requests does; ``Done`` is a Work that completed before
-it was returned, and ``All`` several as one. The numbered rules cited here
-("rule 4") are docs/concurrency.md's, the one list for all of mpidp.
+A ``Work`` is what an asynchronous call of the backend ``"mpidp"`` returns: the started
+requests (or a chunked all_reduce, ``mpidp.process_group.chunks``) and the tensors torch gets.
+The progress thread (``mpidp.process_group.progress``) completes it, or a thread that waits on
+its own requests does; ``Done`` completed before it was returned, ``All`` is several as one.
+Rules cited by number ("rule 4") are docs/concurrency.md's.
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ from .. import watchdog as _watchdog
 from .chunks import Chunks
 from .progress import progress
 
-__all__ = ["All", "CallCheck", "CallMismatch", "Done", "Work", "abandon", "blocking", "checked_wait", "new_future",
-           "wait_request"]
-# mpidp.process_group.work.Chunks and mpidp.process_group.work.progress name what they named before chunks.py and
-# progress.py were split off.
+__all__ = ["All", "CallCheck", "CallMismatch", "Done", "Work", "abandon", "blocking",
+           "checked_wait", "new_future", "wait_request"]
+# work.Chunks and work.progress still name what they named before chunks.py and progress.py
 
 
 def new_future(result) -> torch.futures.Future:
@@ -64,16 +62,19 @@ class CallCheck:
     started (its arguments) took no pool member and starts no check. It completes as
     soon as every rank has started it, whatever the operation does, so a Work tests it
     first. Then ``error()`` is the same on every rank: None, or the ValueError that
-    names what differs. An Iallreduce of a numpy buffer started by the engine
-    (``mpidp.comm.handle.issue``), without mpidp.comm's tensor checks and staging, tested with the operation's requests in one ``MPI_Testall``
-    (``checked_wait``); its cost is in bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it).
+    names what differs. An Iallreduce of a numpy buffer (``mpidp.comm.handle.issue``), tested
+    with the operation's requests in one ``MPI_Testall`` (``checked_wait``); its cost is in
+    bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it). ``spoils(what)``: the group's, where
+    the operation started beside the check (it spoils the group's communicators on a mismatch).
     """
 
     _LABEL = "allreduce of 10 int64, the call check of a torch.distributed operation"
     _scope = None  # what the watchdog names it under: the operation's own label says it all
 
-    def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool):
+    def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool,
+                 spoils=None):
         self.call = call
+        self._spoils = spoils  # told what differs where the operation started beside the check
         self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
         self._label = (call + " (its call check)", tensor)  # formatted only in a report
@@ -103,6 +104,8 @@ class CallCheck:
 
     def error(self) -> CallMismatch | None:
         problem = _checks.fingerprint_problem(self.reduced, self._own)
+        if problem is not None and self._spoils is not None:
+            self._spoils(f"{self.call}: {problem}")
         return None if problem is None else CallMismatch(f"{self.call}: {problem}")
 
 
@@ -116,10 +119,9 @@ def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> No
     """Wait on ``handles`` in order; once ``check``'s request (the first) is done, raise its
     error, the others' requests abandoned with ``result`` (a mismatched call may never end).
 
-    Most calls end within the first microseconds: a spin of ``MPI_Testall`` over the raw
-    requests, one C call a round, finds that (bench/check_cost.py; docs/performance.md, "Figures behind the code's choices").
-    Testall completes all or none, so
-    what is still pending after the spin goes the ordered way, check first.
+    Most calls end within microseconds: a spin of ``MPI_Testall`` over the raw requests finds
+    that (bench/check_cost.py). Testall completes all or none, so what is still pending after
+    the spin goes the ordered way, check first.
     """
     if len(handles) > 1 and _all_done_soon(handles):
         error = check.error() if check is not None else None

@@ -181,52 +181,87 @@ def test_mpi_failure_names_the_call_and_the_way_on():
 
 
 @pytest.fixture
-def spoilt():
-    """A group for calls that differ across ranks on purpose, destroyed after the test: what
-    MPI leaves of a mismatched operation that started is undefined (docs/debugging.md), and a
-    later test on the same communicators once waited forever."""
-    group = dist.new_group(list(range(SIZE)))
-    yield group
-    dist.destroy_process_group(group)
+def fresh_group():
+    """Groups for calls that differ across ranks on purpose, destroyed after the test: a call
+    that started in MPI before every rank knew it differs spoils its group (docs/debugging.md)."""
+    made = []
+
+    def new():
+        made.append(dist.new_group(list(range(SIZE))))
+        return made[-1]
+
+    yield new
+    for group in made:
+        dist.destroy_process_group(group)
+
+
+def _goes_on_or_was_aborted(group, started: bool) -> None:
+    """After a call that differed: a group whose call had started in MPI is aborted on every
+    rank (its next call raises at once, naming why); one whose call had not (a chunked
+    all_reduce waits for its check; MPIDP_DEBUG checks first) goes on, right."""
+    tensor = torch.full((5,), float(RANK))
+    if started and not mpidp.comm.checks._DEBUG:
+        with pytest.raises(dist.DistBackendError, match="a call differed across ranks after it "
+                                                        "had started in MPI .*destroy the group"):
+            dist.all_reduce(tensor, group=group)
+        assert MPI.COMM_WORLD.allreduce(1) == SIZE  # every rank got here: nothing waits
+        return
+    dist.all_reduce(tensor, group=group)
+    assert torch.all(tensor == sum(range(SIZE)))
 
 
 @pytest.mark.parametrize("numel", [10, (4 << 20) // 4 + 5])  # whole, and in chunks
 @pytest.mark.parametrize("async_op", [False, True])
-def test_a_call_that_differs_raises_on_every_rank_and_the_group_goes_on(numel, async_op, spoilt):
+def test_a_call_that_differs_raises_on_every_rank_and_spoils_only_a_group_it_reached(
+        numel, async_op, fresh_group):
     """The backend's call check (issue 17, item 5): an all_reduce whose element count differs
     across ranks raises the same error on every rank, where MPICH's nonblocking form returned a
-    truncated sum; the group's next operations are right (here; see ``spoilt``)."""
+    truncated sum. Where the operation had started beside its check, the group is aborted alike
+    on every rank, with an operation issued after it and still pending; a new group works."""
     if SIZE == 1:
         pytest.skip("needs two ranks")
+    group = fresh_group()
     tensor = torch.ones(numel + 7 * (RANK % 2))
+    later = None
     with _differs(r"element count from \d+ to \d+") as caught:
-        work = dist.all_reduce(tensor, group=spoilt, async_op=async_op)
-        if async_op:
-            work.wait()
+        work = dist.all_reduce(tensor, group=group, async_op=async_op)
+        later = dist.all_reduce(torch.ones(3), group=group, async_op=True) if async_op else None
+        work.wait()
     texts = MPI.COMM_WORLD.allgather(str(caught.value))
     assert texts.count(texts[0]) == SIZE, texts
-    tensor = torch.ones(100)
-    dist.all_reduce(tensor, group=spoilt)
-    assert torch.all(tensor == SIZE)
+    chunked = numel > 1000
+    if later is not None:  # issued before the mismatch was known: fails, or completes, alike
+        try:
+            later.wait()
+            outcome = "done"
+        except dist.DistBackendError as error:
+            outcome = "aborted" if "a call differed across ranks" in str(error) else str(error)
+        assert MPI.COMM_WORLD.allgather(outcome) == [outcome] * SIZE
+        assert outcome == ("done" if chunked or mpidp.comm.checks._DEBUG else "aborted")
+    _goes_on_or_was_aborted(group, started=not chunked)
+    _goes_on_or_was_aborted(fresh_group(), started=False)
 
 
-def test_broadcast_reduce_and_reduce_scatter_calls_that_differ_raise_on_every_rank(spoilt):
+def test_broadcast_reduce_and_reduce_scatter_calls_that_differ_raise_on_every_rank(fresh_group):
     if SIZE == 1:
         pytest.skip("needs two ranks")
+    group = fresh_group()
     with _differs("root from 0 to 1"):
-        dist.broadcast(torch.ones(4), src=RANK % 2, group=spoilt)
+        dist.broadcast(torch.ones(4), src=RANK % 2, group=group)
+    _goes_on_or_was_aborted(group, started=True)
+    group = fresh_group()
     with _differs("dtype from float"):
         dist.reduce(torch.ones(4, dtype=[torch.float32, torch.float64][RANK % 2]), dst=0,
-                    group=spoilt)
+                    group=group)
+    group = fresh_group()
     with _differs("op from sum to max"):
         dist.all_reduce(torch.ones(4), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][RANK % 2],
-                        group=spoilt)
+                        group=group)
+    group = fresh_group()
     out = torch.empty(3 + RANK % 2)
     with _differs("element count"):
-        dist.reduce_scatter_tensor(out, torch.ones(out.numel() * SIZE), group=spoilt)
-    tensor = torch.full((5,), float(RANK))
-    dist.all_reduce(tensor, group=spoilt)
-    assert torch.all(tensor == sum(range(SIZE)))
+        dist.reduce_scatter_tensor(out, torch.ones(out.numel() * SIZE), group=group)
+    _goes_on_or_was_aborted(group, started=True)
 
 
 def test_every_communicator_is_registered_with_its_owner_and_freed_with_it():
