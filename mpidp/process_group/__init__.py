@@ -266,7 +266,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
                              f"which leaves the group's communicators undefined; destroy the "
                              f"group and make a new one")
 
-    def aborted_error(self) -> dist.DistBackendError:
+    def _aborted_error(self) -> dist.DistBackendError:
         return dist.DistBackendError(f"mpidp: {self!r} was aborted ({self._aborted}); it takes "
                                      f"no more operations")
 
@@ -331,7 +331,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
 
     def _check_usable(self) -> None:
         if self._aborted is not None:
-            raise self.aborted_error()
+            raise self._aborted_error()
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -364,4 +364,4 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         """
         if self._aborted is None:
             self._aborted = "abort() was called"
-        _progress.abort(self, self.aborted_error())
+        _progress.abort(self, self._aborted_error())

@@ -212,7 +212,7 @@ class _Progress:
                 if work._state == "pending" and work._group._aborted is not None:
                     # spoilt by a call that differed across ranks (its _spoilt): MPI may never
                     # end the operations that followed it
-                    self._abandoned.extend(work._fail(work._group.aborted_error()))
+                    self._abandoned.extend(work._fail(work._group._aborted_error()))
                 elif work._state == "pending" and not work._test():
                     if chunks is not None and chunks.moved:
                         # a chunk started: keep testing without sleeping (a nonblocking
