@@ -1,6 +1,6 @@
 """torch.compile with each of mpidp's training paths, against one process (issue 30).
 
-    mpiexec -n 2 python bench/compile_matrix.py [KIND ...]   # default: every kind of KINDS
+    mpiexec -n 2 python bench/compile_matrix.py [--timed N] [KIND ...]   # default: all KINDS
 
 For mpidp's DDP, its ZeroRedundancyOptimizer (stages 1 and 2, around the DDP),
 mpidp.horovod's DistributedOptimizer (the model compiled), and torch's DDP and FSDP2
@@ -10,9 +10,11 @@ of the suite's mlp on each rank's shard, the largest relative difference of the 
 one process training on the whole batch, and dynamo's graph breaks (torch's forms: over
 "mpidp" against over gloo). The suite runs aot_eager forms (tests/mpi/check_ddp_edges.py,
 check_backend_torch.py, check_backend_fsdp.py); inductor's first compile of a graph takes
-seconds on CI's 2 cores, so its forms are run here.
+seconds on CI's 2 cores, so its forms are run here. ``--timed N`` adds the median time of N
+more steps of each form (rank 0's, the ranks started together).
 """
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ import mpidp.horovod as hvd  # noqa: E402
 KINDS = ("ddp", "zero-1", "zero-2", "horovod", "torch-ddp/mpidp", "torch-ddp/gloo",
          "fsdp2/mpidp", "fsdp2/gloo")
 GROUPS = {}  # "mpidp", "gloo": groups of every rank, made in main()
+TIMED = 0  # steps timed after the compared ones (--timed N)
 COMPILERS = (("inductor", False), ("inductor", True), ("aot_eager", True))
 
 
@@ -120,15 +123,33 @@ def _run(kind: str, backend: str, compiled_autograd: bool) -> str:
             for mine, theirs in zip(whole.parameters(), model.parameters()):
                 mine.copy_(theirs.full_tensor() if hasattr(theirs, "full_tensor") else theirs)
         model = whole
+    diff = max_rel_diff(model, local)
+    steady = ""
+    if TIMED:  # after the comparison: these steps go on from it
+        times = []
+        for step in range(TIMED):
+            x, y = inputs("mlp", step)
+            opt.zero_grad()
+            dist.barrier(GROUPS["gloo"])
+            begin = time.perf_counter()
+            train_step(shard(x), shard(y))
+            opt.step()
+            times.append(time.perf_counter() - begin)
+        steady = f"  steady {statistics.median(times) * 1e3:.2f} ms/step (median of {TIMED})"
     return (f"{kind:16s} {backend:9s} compiled_autograd={int(compiled_autograd)}  vs one process "
-            f"{max_rel_diff(model, local):.2e}  graph breaks {breaks}  compiled-autograd captures "
-            f"{captures}  ({seconds:.1f} s, 3 steps)")
+            f"{diff:.2e}  graph breaks {breaks}  compiled-autograd captures "
+            f"{captures}  ({seconds:.1f} s, 3 steps){steady}")
 
 
 def main():
     mpidp.init_process_group("gloo")
     GROUPS.update(gloo=dist.group.WORLD, mpidp=dist.new_group(backend="mpidp"))
-    kinds = sys.argv[1:] or KINDS
+    args = sys.argv[1:]
+    if "--timed" in args:  # --timed N: N more steps, timed, after the first 3
+        at = args.index("--timed")
+        globals()["TIMED"] = int(args[at + 1])
+        del args[at:at + 2]
+    kinds = args or KINDS
     # the forms without compiled autograd first: after a compiled-autograd run, torch counts 10
     # graph breaks where it counted 3 for torch's DDP without it (over gloo and "mpidp" alike)
     for backend, compiled_autograd in COMPILERS:

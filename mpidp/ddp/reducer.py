@@ -56,6 +56,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comm as _comm
+from . import compiled as _compiled
 from . import outcome as _outcome
 from . import overlap as _overlap
 from .. import preemption as _preemption
@@ -164,8 +165,10 @@ class Reducer(BucketLayout, BucketLauncher):
         # backward that succeeds on every rank, then lay the buckets out in rank
         # 0's order, once.
         self._arrival: list[int] | None = [] if predict_order else None
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                       for i, p in enumerate(self.params)]
+        key = _compiled.register(self)  # compiled autograd traces the hooks (ddp/compiled.py)
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(_compiled.grad_hook, self._on_grad, key, i))
+            for i, p in enumerate(self.params)]
 
     # -- public -----------------------------------------------------------------------
 
@@ -278,6 +281,8 @@ class Reducer(BucketLayout, BucketLauncher):
     # -- hooks ------------------------------------------------------------------------
 
     def _on_output_grad(self, step: Step, grad) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced by compiled autograd: each gradient's hook reduces it
         task = torch._C._current_graph_task_id()
         if step is self._step and step.state != DONE and step.task != task:
             self._queue_end(step, task)
@@ -286,12 +291,10 @@ class Reducer(BucketLayout, BucketLauncher):
         compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # never imported here
         if compiled_autograd is not None and (compiled_autograd.compiled_autograd_enabled
                                               or compiled_autograd.in_compiled_autograd_region):
-            raise RuntimeError(
-                "mpidp.DistributedDataParallel does not run under compiled autograd: it ends a "
-                "step with an end-of-backward callback, which compiled autograd allows only in "
-                "one full graph; call backward() outside compiled_autograd._enable, or use torch's "
-                "DistributedDataParallel over the \"mpidp\" backend with "
-                "torch._dynamo.config.optimize_ddp=\"python_reducer\" (docs/ddp.md)")
+            raise RuntimeError(  # a hook that dynamo could not trace runs eagerly in there
+                "mpidp.DistributedDataParallel: compiled autograd ran a gradient hook outside "
+                "its graph, and an eager step needs an end-of-backward callback, which compiled "
+                "autograd allows only in one full graph (docs/ddp.md, \"Compiled autograd\")")
         step.task = task
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(self._end_of_backward, step, task))

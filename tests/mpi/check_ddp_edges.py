@@ -4,6 +4,7 @@ Where torch defines the behaviour, the same steps run through torch's DDP over
 gloo in the same job and the gradients must match.
 """
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -609,23 +610,69 @@ def test_torch_compile_with_zero_or_horovods_optimizer_trains_like_eager(kind):
     assert diff < 1e-5
 
 
-def test_compiled_autograd_is_refused_with_a_clear_error_and_the_next_step_is_right():
-    """Compiled autograd allows the end-of-backward callback that ends mpidp's DDP step only in
-    one full graph: every rank raises mpidp's error at the step's first hook, before any of the
-    step's collectives, and an eager step after it trains as one process does (issue 30)."""
+@pytest.mark.parametrize("zero", [None, 1], ids=["ddp", "zero-1"])
+def test_compiled_autograd_trains_as_one_process_with_no_sync_and_an_eager_step_between(zero):
+    """Under compiled autograd each gradient's hook becomes a call of mpidp's op in the compiled
+    backward (mpidp/ddp/compiled.py): steps under it, a no_sync accumulation under it, and an
+    eager step between train as one process does; the backward was really compiled."""
+    from torch._dynamo import compiled_autograd as ca
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = seeded(mlp)
+    local = reference_copy(model)
+    ddp = mpidp.DistributedDataParallel(model)
+    if zero is None:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    else:
+        opt = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05,
+                                            stage=zero)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
+    backend = torch.compile(backend="aot_eager")
+    modes = ["compiled", "eager", "no_sync", "compiled", "compiled"] if zero is None else \
+        ["compiled", "compiled"]  # ZeRO stage 1 steps after the backward: the same reduction
+    for step, mode in enumerate(modes):
+        x, y = inputs("mlp", step)
+        if mode == "no_sync":  # accumulated here, reduced with the next step's gradients
+            with ddp.no_sync(), ca._enable(backend):
+                loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+            loss_of("mlp", local(x), y).backward()
+            continue
+        with ca._enable(backend) if mode == "compiled" else contextlib.nullcontext():
+            loss_of("mlp", ddp(shard(x)), shard(y)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of("mlp", local(x), y).backward()
+        local_opt.step()
+        local_opt.zero_grad()
+    diff = max_rel_diff(model, local)
+    report(f"compiled-autograd-{zero or 'ddp'}", diff)
+    assert diff < 1e-5
+    assert counters["compiled_autograd"]["captures"] > 0
+
+
+@pytest.mark.parametrize("what", ["zero-2", "find_unused_parameters"])
+def test_what_compiled_autograd_cannot_run_is_refused_on_every_rank_and_the_next_step_is_right(
+        what):
+    """ZeRO stage 2 (shards follow the buckets) and find_unused_parameters (bookkeeping at the
+    end of a step) are refused by the op before its first collective, alike on every rank; an
+    eager step after it trains as one process does."""
     from torch._dynamo import compiled_autograd as ca
     torch._dynamo.reset()
     model = seeded(mlp)
     local = reference_copy(model)
-    ddp = mpidp.DistributedDataParallel(model)
+    ddp = mpidp.DistributedDataParallel(model, find_unused_parameters=what != "zero-2")
+    opt = (mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05, stage=2)
+           if what == "zero-2" else torch.optim.SGD(ddp.parameters(), lr=0.05))
     x, y = inputs("mlp", 0)
     loss = loss_of("mlp", ddp(shard(x)), shard(y))
-    with pytest.raises(RuntimeError, match="does not run under compiled autograd") as caught:
+    with pytest.raises(RuntimeError, match="under compiled autograd: .*"
+                       + ("stage 2" if what == "zero-2" else "find_unused_parameters")) as caught:
         with ca._enable(torch.compile(backend="aot_eager")):
             loss.backward()
     agree_on_every_rank(str(caught.value).splitlines()[0])
-    ddp.zero_grad(set_to_none=True)
-    opt, local_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, local))
+    opt.zero_grad()
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
     loss_of("mlp", ddp(shard(x)), shard(y)).backward()
     opt.step()
     loss_of("mlp", local(x), y).backward()
