@@ -24,8 +24,8 @@ What happens, in order:
    (``MPI_Comm_shrink``), which becomes ``mpidp.runtime.world()``.
 3. **Rebuild.** ``mpidp.communicators.rebuild_all``: each owner makes its
    communicators again over the survivors (the DDP's pool, control
-   communicator and shared-memory node, the Checkpointer's, the default pool,
-   the watchdog's, the store's).
+   communicator and shared-memory node, a SyncBatchNorm's channel, the
+   Checkpointer's, the default pool, the watchdog's, the store's).
 4. **State.** A survivor whose step failed takes back the state it had when
    that step began (``guard()`` copies it: model, optimizer, scheduler,
    scaler, ``extra``, generators, the step count and the sampler's
@@ -165,8 +165,9 @@ class Healer:
             a sampler; and, where this job can heal, what cannot: torch's DDP
             or FSDP, a ``ZeroRedundancyOptimizer`` (its shards have no replica),
             a DDP over a communicator other than the world, a second DDP, or
-            communicators that no owner can rebuild (``SyncBatchNorm``,
-            ``mpidp.horovod``, torch.distributed groups over ``"mpidp"``). Where
+            communicators that no owner can rebuild (``mpidp.horovod``,
+            torch.distributed groups over ``"mpidp"``, a ``SyncBatchNorm`` over a
+            communicator of the program's). Where
             it cannot heal, the loop is the plain one whatever trains in it.
     """
 

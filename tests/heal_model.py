@@ -17,9 +17,12 @@ def dataset() -> TensorDataset:
     return TensorDataset(inputs, targets)
 
 
-def model() -> nn.Module:
+def model(batchnorm: bool = False) -> nn.Module:
+    """The MLP; with ``batchnorm``, a BatchNorm1d after its first layer (SyncBatchNorm when
+    the ranks train it: its statistics are then the whole global batch's, as here)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+    norm = [nn.BatchNorm1d(32)] if batchnorm else []
+    return nn.Sequential(nn.Linear(16, 32), *norm, nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                          nn.Linear(32, 1)).double()
 
 
@@ -28,14 +31,14 @@ def optimizers(parameters) -> tuple:
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
 
 
-def reference(steps: int = STEPS) -> list[float]:
+def reference(steps: int = STEPS, batchnorm: bool = False) -> list[float]:
     """The losses of training on each whole global batch in one process.
 
     A DDP run at any rank count with the same global batches (mpidp's sampler
     deals the same global order) follows it within float64 summation noise.
     """
     inputs, targets = dataset().tensors
-    net = model()
+    net = model(batchnorm)
     optimizer, scheduler = optimizers(net.parameters())
     losses, epoch = [], 0
     while len(losses) < steps:

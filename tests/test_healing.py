@@ -42,6 +42,11 @@ def reference() -> list[float]:
     return _reference()
 
 
+@pytest.fixture(scope="module")
+def reference_with_batchnorm() -> list[float]:
+    return _reference(batchnorm=True)
+
+
 def _check_losses(output: str, reference: list[float]) -> None:
     """The last loss printed for every step follows the reference (a re-run step prints again)."""
     losses = {int(step): float(loss) for step, loss in LINE.findall(output)}
@@ -90,6 +95,17 @@ def test_killed_ranks_heal_and_the_run_follows_the_reference(tmp_path, reference
     _check_losses(result.stdout, reference)
     seconds = [float(s) for _, s, _, _ in HEALED.findall(result.stdout)]
     print(f"recovery (detection to going on), seconds: {seconds}")
+
+
+def test_a_syncbatchnorm_follows_a_heal_over_the_survivors(tmp_path, reference_with_batchnorm):
+    """The SyncBatchNorm's channel is rebuilt over the survivors with the DDP's communicators:
+    its statistics are then the survivors' whole global batch's, as one process's are."""
+    result = _ulfm(3, tmp_path / "ckpt", "1:6:forward", extra=["--syncbn"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(result.stdout)]
+    assert found == [(1, 2, 5)], output[-6000:]
+    _check_losses(result.stdout, reference_with_batchnorm)
 
 
 def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_path, reference):

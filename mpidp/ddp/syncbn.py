@@ -58,21 +58,31 @@ class _Communicator:
 
     ``copy.deepcopy`` of a model shares it (a copy in this process may use the
     same channel: its collectives still come in model order). Pickling keeps
-    only the fact that it was over ``MPI.COMM_WORLD``: the unpickled layers
-    duplicate ``MPI.COMM_WORLD`` again at their first collective, which every
+    only the fact that it was over the world: the unpickled layers duplicate the
+    world (``mpidp.runtime.world()``) again at their first collective, which every
     rank reaches together. Any other communicator cannot be pickled.
     """
 
-    def __init__(self, comm: MPI.Intracomm | None, world: bool):
-        self._comm = comm
-        self.world = world
+    def __init__(self, base: MPI.Intracomm | None, world: bool):
+        self.world = world  # over the job's world: rebuilt by a heal (mpidp.healing)
+        self._comm = None if base is None else self._made(base)
+
+    def _made(self, base: MPI.Intracomm) -> MPI.Intracomm:
+        return _communicators.made(base.Dup(), "SyncBatchNorm's channel",
+                                   rebuild=self.rebuild if self.world else None)
 
     @property
     def comm(self) -> MPI.Intracomm:
         if self._comm is None:
             runtime.require_mpi()
-            self._comm = _communicators.made(MPI.COMM_WORLD.Dup(), "SyncBatchNorm's channel")
+            self._comm = self._made(runtime.world())
         return self._comm
+
+    def rebuild(self, world: MPI.Intracomm) -> None:
+        """The channel again over ``world``, the survivors of a lost rank (collective)."""
+        if self._comm is not None:
+            _communicators.release(self._comm)
+        self._comm = self._made(world)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return _comm.allreduce(tensor, "sum", comm=self.comm)
@@ -107,9 +117,9 @@ def _duplicate(comm) -> _Communicator:
     if comm is not None and not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be None or an mpi4py Intracomm, got {type(comm).__name__}")
     runtime.require_mpi()
-    base = MPI.COMM_WORLD if comm is None else comm
-    return _Communicator(_communicators.made(base.Dup(), "SyncBatchNorm's channel"),
-                         world=base == MPI.COMM_WORLD)
+    world = runtime.world()
+    base = world if comm is None else comm
+    return _Communicator(base, world=base in (world, MPI.COMM_WORLD))
 
 
 def _channel_shape(input: torch.Tensor) -> list[int]:
@@ -195,7 +205,8 @@ class SyncBatchNorm(_BatchNorm):
         eps, momentum, affine, track_running_stats, device, dtype, bias: as
             ``torch.nn.BatchNorm2d`` (``momentum=None``: cumulative average).
         comm: the mpi4py intracommunicator whose ranks share statistics
-            (default ``MPI.COMM_WORLD``). It is duplicated once here
+            (default: the job's world, ``MPI.COMM_WORLD`` or the survivors
+            after a heal, over which a heal rebuilds it). It is duplicated once here
             (collective), so its traffic never mixes with other traffic.
     """
 

@@ -85,6 +85,8 @@ def main() -> None:
                         help="save a checkpoint of the last step (a reference's first half)")
     parser.add_argument("--shared-memory", action="store_true",
                         help="reduce in shared memory (else MPI allreduces, killable in one)")
+    parser.add_argument("--syncbn", action="store_true",
+                        help="a SyncBatchNorm in the model (its channel is rebuilt by a heal)")
     args = parser.parse_args()
     kills = {}
     for kill in args.kill:
@@ -97,7 +99,9 @@ def main() -> None:
     batch_size = args.global_batch // mpidp.size()
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
-    model = heal_model.model()
+    model = heal_model.model(batchnorm=args.syncbn)
+    if args.syncbn:
+        model = mpidp.SyncBatchNorm.convert_sync_batchnorm(model)
     # small buckets: several allreduces per step, so a kill can fall between two of them
     ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                         shared_memory=args.shared_memory)
