@@ -91,7 +91,7 @@ def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named()
     made = cluster()
     check = [sys.executable, str(ROOT / "tests" / "mpi" / "check_cluster_rendezvous.py")]
     cases = {"choice": {}, "iface": {"MPIDP_RDZV_IFACE": "eth0"},
-             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "3", "MPIDP_STORE": "tcp"}}
+             "decoy": {"MPIDP_RDZV_ADDR": DECOY, "MPIDP_RDZV_TIMEOUT": "2", "MPIDP_STORE": "tcp"}}
     with made:
         add_decoy(made)
         runs = {case: made.run(check, ppn=1, timeout=90, env={"CLUSTER_DECOY": DECOY, **env})
@@ -121,7 +121,7 @@ def test_the_store_address_passes_over_a_decoy_and_an_unreachable_one_is_named()
     assert {(kind, text) for _, kind, text in errors} == {("DistNetworkError", errors[0][2])}
     text = errors[0][2]  # ...the same error, naming the rank, the address, port and variables
     assert re.search(rf"rank 1: could not connect to the rendezvous store at {DECOY}:\d+ "
-                     rf"\(rank 0's address, chosen from MPIDP_RDZV_ADDR\) within 3 s", text)
+                     rf"\(rank 0's address, chosen from MPIDP_RDZV_ADDR\) within 2 s", text)
     assert "MPIDP_RDZV_IFACE" in text and "MPIDP_RDZV_TIMEOUT" in text
 
 

@@ -216,7 +216,7 @@ def test_torch_ddp_over_mpidp_with_a_skipped_step_ends_the_job(mode):
 # -- the stall watchdog (mpidp.watchdog): tests/mpi/stall.py hangs on purpose ------------
 
 STALL = "tests/mpi/stall.py"
-STALL_TIMEOUT = 2  # MPIDP_TIMEOUT of these runs
+STALL_TIMEOUT = 1.5  # MPIDP_TIMEOUT of these runs
 STALL_SOURCE = (launch.ROOT / STALL).read_text().splitlines()
 
 
@@ -282,7 +282,7 @@ def test_watchdog_names_every_kind_of_collective_a_late_rank_holds_up():
     """One launch, the last rank late at each kind in turn; MPIDP_TIMEOUT_ACTION=report lets the
     job go on after each summary, which must name the collective and the late rank's line."""
     result = launch.run(2, ["tests/mpi/stall_kinds.py"], timeout=240,
-                        env={"MPIDP_TIMEOUT": "1", "MPIDP_TIMEOUT_ACTION": "report"})
+                        env={"MPIDP_TIMEOUT": "0.75", "MPIDP_TIMEOUT_ACTION": "report"})
     assert "rank 1: every kind done" in result.stdout, result.stdout + result.stderr[-4000:]
     summaries = [line for line in result.stderr.splitlines()
                  if line.startswith("[mpidp rank 0/2] stall summary: ")]

@@ -1,10 +1,10 @@
 """One rank late at each kind of collective mpidp issues: the stall watchdog must name each.
 
-    MPIDP_TIMEOUT=1 MPIDP_TIMEOUT_ACTION=report mpiexec -n 2 python tests/mpi/stall_kinds.py
+    MPIDP_TIMEOUT=0.75 MPIDP_TIMEOUT_ACTION=report mpiexec -n 2 python tests/mpi/stall_kinds.py
 
 For each kind in ``KINDS``, every rank first makes what the collective needs
 (a DDP, a group, a ZeRO optimizer...) and meets the others in a barrier; then the
-last rank sleeps in user code for ``MPIDP_TIMEOUT + 1.5`` seconds before it
+last rank sleeps in user code for ``MPIDP_TIMEOUT + 1.25`` seconds before it
 issues the collective, while the others wait in it. Under
 ``MPIDP_TIMEOUT_ACTION=report`` rank 0 prints a stall summary naming what they
 wait in, the late rank arrives, and the next kind begins: one launch checks them
@@ -25,7 +25,7 @@ import mpidp.horovod as hvd
 
 RANK, SIZE = mpidp.rank(), mpidp.size()
 # rank 0 summarises within about two watchdog periods (MPIDP_TIMEOUT / 4) of the timeout
-LATE = float(os.environ.get("MPIDP_TIMEOUT", "1")) + 1.5
+LATE = float(os.environ.get("MPIDP_TIMEOUT", "1")) + 1.25
 
 
 def _model(shared_memory: bool) -> mpidp.DistributedDataParallel:
