@@ -9,7 +9,9 @@ whether dynamo is tracing it. If so it calls the custom op ``mpidp::ddp_allreduc
 the compiler keeps as one opaque call; the compiled backward then runs these calls in the
 graph's order. Every rank builds the same graph from the same model, so every rank runs
 them in the same order. At run time the op divides the gradient by the world size and sums
-it across the ranks on the reducer's control communicator. The call blocks, on the thread
+it across the ranks on the reducer's control communicator (with ZeRO stage 2, this rank's
+pieces of it then go to the optimizer's shards, and ``.grad`` is dropped, as a reduce-scatter
+would leave it; the last parameter's call closes the step). The call blocks, on the thread
 that runs the backward (the program's thread, which issues on that communicator in eager
 steps too). Inside ``no_sync`` the op does nothing, as an eager step would. Otherwise the
 hook is the reducer's eager one.
@@ -18,8 +20,7 @@ Limits, checked by the op before its first collective, alike on every rank, sinc
 the DDP's own settings: every rank must give a gradient to the same parameters, so
 ``find_unused_parameters=True`` is refused, and a parameter without a gradient is the
 user's to avoid (a rank that skips one leaves the others waiting; the stall watchdog names
-it); no comm hook; not ZeRO stage 2, whose gradient shards follow the buckets (stage 1,
-which steps after the backward, works). There is no bucketing and no overlap with the
+it); no comm hook. There is no bucketing and no overlap with the
 backward pass: one blocking allreduce per parameter. The cost is measured in
 docs/performance.md. A step under compiled autograd does no bookkeeping sum, so a
 Checkpointer agrees on a stop with an allreduce of its own (``mpidp.preemption.agreed_by``).
@@ -67,6 +68,15 @@ def _allreduce_(grad: torch.Tensor, key: int, index: int) -> None:
                            f"(docs/ddp.md, \"Compiled autograd\")")
     grad.div_(reducer._divisor)
     _comm.allreduce(grad, "sum", comm=reducer.control)
+    sink = getattr(reducer, "sink", None)
+    if sink is not None:  # ZeRO stage 2: this rank's pieces to its shards, no whole gradient
+        sink.take_whole(index, grad)
+        reducer.params[index].grad = None
+        step = reducer._step
+        step.fired[index] += 1
+        if all(step.fired):  # every gradient is in: the step's shards are whole
+            sink.reduced([True] * len(step.fired))
+            step.fired = [0] * len(step.fired)
 
 
 def _refusal(reducer, grad: torch.Tensor) -> str | None:
@@ -77,9 +87,6 @@ def _refusal(reducer, grad: torch.Tensor) -> str | None:
                 "parameters")
     if reducer.comm_hook is not None:
         return "a comm hook needs the buckets, which a compiled backward does not fill"
-    if getattr(reducer, "sink", None) is not None:
-        return ("ZeroRedundancyOptimizer stage 2 reduce-scatters buckets into its shards; use "
-                "stage 1, which steps after the backward")
     if grad.is_sparse:
         return "sparse gradients are gathered at the end of a step, which it has not"
     return None

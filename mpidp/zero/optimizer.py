@@ -134,6 +134,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._has = [False] * len(params)
         self._had = [False] * len(params)
         self._ddp = None
+        self._targets: dict[int, torch.Tensor] = {}  # take_whole's, per bucket, until reduced()
         self._by_reducer: list[int] = []
         if ddp is not None:
             reducer = ddp._shard_gradients(self)
@@ -262,8 +263,20 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         bucket.scratch = torch.empty_like(bucket.grad)  # accumulated in reduced()
         return bucket.scratch
 
+    def take_whole(self, index: int, grad: torch.Tensor) -> None:
+        """Under compiled autograd (mpidp/ddp/compiled.py): the DDP parameter ``index``'s
+        averaged gradient, whole; this rank's pieces of it go where the reduce-scatter's would."""
+        member, flat = self._by_reducer[index], grad.reshape(-1)
+        for position, bucket in enumerate(self._buckets):
+            for owner, start, stop, at, _ in bucket.pieces if bucket.sharded else ():
+                if owner == member:
+                    if position not in self._targets:
+                        self._targets[position] = self.grad_target(position)
+                    self._targets[position][at:at + stop - start].copy_(flat[start:stop])
+
     def reduced(self, used: Sequence[bool]) -> None:
         """A synced backward's shards are in (``used``: per DDP parameter, has a gradient)."""
+        self._targets = {}
         for bucket in self._buckets:
             if bucket.scratch is not None:
                 bucket.grad.add_(bucket.scratch)

@@ -610,7 +610,7 @@ def test_torch_compile_with_zero_or_horovods_optimizer_trains_like_eager(kind):
     assert diff < 1e-5
 
 
-@pytest.mark.parametrize("zero", [None, 1], ids=["ddp", "zero-1"])
+@pytest.mark.parametrize("zero", [None, 1, 2], ids=["ddp", "zero-1", "zero-2"])
 def test_compiled_autograd_trains_as_one_process_with_no_sync_and_an_eager_step_between(zero):
     """Under compiled autograd each gradient's hook becomes a call of mpidp's op in the compiled
     backward (mpidp/ddp/compiled.py): steps under it, a no_sync accumulation under it, and an
@@ -631,8 +631,9 @@ def test_compiled_autograd_trains_as_one_process_with_no_sync_and_an_eager_step_
                                             stage=zero)
     local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
     backend = torch.compile(backend="aot_eager")
-    modes = ["compiled", "eager", "no_sync", "compiled", "compiled"] if zero is None else \
-        ["compiled", "compiled"]  # ZeRO stage 1 steps after the backward: the same reduction
+    # ZeRO stage 1 steps after the backward (the same reduction); stage 2 takes its pieces
+    modes = {None: ["compiled", "eager", "no_sync", "compiled", "compiled"], 1: ["compiled"] * 2,
+             2: ["compiled", "no_sync", "compiled", "eager", "compiled"]}[zero]
     for step, mode in enumerate(modes):
         x, y = inputs("mlp", step)
         if mode == "no_sync":  # accumulated here, reduced with the next step's gradients
@@ -653,25 +654,27 @@ def test_compiled_autograd_trains_as_one_process_with_no_sync_and_an_eager_step_
     assert counters["compiled_autograd"]["captures"] > 0
 
 
-@pytest.mark.parametrize("what", ["zero-2", "find_unused_parameters"])
+@pytest.mark.parametrize("what", ["comm_hook", "find_unused_parameters"])
 def test_what_compiled_autograd_cannot_run_is_refused_on_every_rank_and_the_next_step_is_right(
         what):
-    """ZeRO stage 2 (shards follow the buckets) and find_unused_parameters (bookkeeping at the
-    end of a step) are refused by the op before its first collective, alike on every rank; an
-    eager step after it trains as one process does."""
+    """A comm hook (it needs the buckets) and find_unused_parameters (bookkeeping at the end of
+    a step) are refused by the op before its first collective, alike on every rank; an eager
+    step after it trains as one process does."""
     if SIZE != 2:
         pytest.skip("run at 2 ranks: a compile takes seconds, and 3 ranks add no case")
     from torch._dynamo import compiled_autograd as ca
     torch._dynamo.reset()
     model = seeded(mlp)
     local = reference_copy(model)
-    ddp = mpidp.DistributedDataParallel(model, find_unused_parameters=what != "zero-2")
-    opt = (mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05, stage=2)
-           if what == "zero-2" else torch.optim.SGD(ddp.parameters(), lr=0.05))
+    ddp = mpidp.DistributedDataParallel(model, find_unused_parameters=what != "comm_hook")
+    if what == "comm_hook":
+        ddp.register_comm_hook(None, mpidp.hooks.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     x, y = inputs("mlp", 0)
     loss = loss_of("mlp", ddp(shard(x)), shard(y))
     with pytest.raises(RuntimeError, match="under compiled autograd: .*"
-                       + ("stage 2" if what == "zero-2" else "find_unused_parameters")) as caught:
+                       + ("comm hook" if what == "comm_hook" else "find_unused_parameters")) \
+            as caught:
         with ca._enable(torch.compile(backend="aot_eager")):
             loss.backward()
     agree_on_every_rank(str(caught.value).splitlines()[0])
