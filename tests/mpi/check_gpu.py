@@ -123,6 +123,34 @@ def test_zero_stages_on_the_gpu_match_the_cpu(stage):
     assert diff < 1e-10
 
 
+@pytest.mark.parametrize("stage", [None, 2])
+def test_compiled_autograd_on_the_gpu_matches_eager_on_the_cpu(stage):
+    """mpidp's DDP (and ZeRO stage 2) under compiled autograd on device tensors: each gradient's
+    op in the compiled backward sums it (staged or CUDA-aware, as the library is)."""
+    from torch._dynamo import compiled_autograd as ca
+    torch._dynamo.reset()
+    models = twin(mlp64)
+    backend = torch.compile(backend="aot_eager")
+    for model, device in zip(models, ("cpu", DEVICE)):
+        ddp = mpidp.DistributedDataParallel(model)
+        opt = (torch.optim.Adam(ddp.parameters(), lr=1e-2) if stage is None else
+               mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-2,
+                                             stage=stage))
+        for step in range(3):
+            x, y = batches(step, F64)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
+            if device == "cpu":
+                loss.backward()  # the reference: an eager step
+            else:
+                with ca._enable(backend):
+                    loss.backward()
+            opt.step()
+    diff = rel(models[1], models[0])
+    report(f"compiled-autograd-{stage or 'ddp'}", diff)
+    assert diff < 1e-10
+
+
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
 def test_hooks_on_the_gpu_match_the_cpu(hook):
     from mpidp import hooks
