@@ -129,7 +129,7 @@ def bench_fsdp(args, groups) -> list[dict]:
             times[name].append(runner.step())
     medians = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     if COMM.rank == 0:
-        print(f"FSDP2 transformer step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
+        print("FSDP2 transformer step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
                                                      medians.items())
               + f"; mpidp/gloo {medians['mpidp'] / medians['gloo']:.2f}", flush=True)
     return [dict(kind="backend-fsdp", ranks=COMM.size, steps=args.steps, median_ms=medians,

@@ -87,7 +87,7 @@ def table(header, rows) -> str:
 def report(records: list[dict], args) -> str:
     train = index(records, "train")
     memory = index(records, "memory")
-    out = [f"# mpidp benchmark report\n",
+    out = ["# mpidp benchmark report\n",
            f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.node()}, {os.cpu_count()} cores, "
            f"{args.np} ranks x 1 thread, {args.steps} timed steps per mode (modes interleaved step "
            f"by step), step time = slowest rank. Command: `python bench/run.py"

@@ -32,7 +32,6 @@ Rank 0 appends one JSON object per mode to ``--out``.
 
 import argparse
 import json
-import os
 import resource
 import socket
 import statistics

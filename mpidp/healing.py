@@ -33,6 +33,11 @@ What happens, in order:
    half-done. Each survivor then holds the state after some number of whole
    steps of the N-rank run, which may differ by one between survivors. The
    lowest rank among those with the most steps broadcasts its state to all.
+   With a ``ZeroRedundancyOptimizer`` (stage 1) there is no whole replica:
+   each rank also steps the previous rank's shard (a partner copy,
+   ``mpidp.zero.partner``), ``guard()`` keeps two copies, and the survivors
+   go back to the oldest step any of them stands at; their own shards and
+   the lost rank's copy are then laid out over the survivors.
 5. **Re-split.** The sampler deals the same global order to N-1 ranks from
    that step's position, with the global batch kept (``batch_size`` becomes
    global batch / (N-1), which must divide), and the loop goes on.
@@ -111,19 +116,22 @@ def _leave_without_finalize() -> None:
     os._exit(status)
 
 
-def _lost_ranks(old: MPI.Intracomm, world: MPI.Intracomm) -> list[int]:
-    """The ranks of ``old`` missing from ``world``, named as ``MPI.COMM_WORLD`` (the launcher) does."""
+def _lost_ranks(old: MPI.Intracomm, world: MPI.Intracomm, named_in=None) -> list[int]:
+    """The ranks of ``old`` missing from ``world``, named as ``named_in`` does (default
+    ``MPI.COMM_WORLD``, as the launcher)."""
     kept = set(MPI.Group.Translate_ranks(world.Get_group(), list(range(world.Get_size())),
                                          old.Get_group()))
     gone = [rank for rank in range(old.Get_size()) if rank not in kept]
-    return sorted(MPI.Group.Translate_ranks(old.Get_group(), gone, MPI.COMM_WORLD.Get_group()))
+    return sorted(MPI.Group.Translate_ranks(old.Get_group(), gone,
+                                            (named_in or MPI.COMM_WORLD).Get_group()))
 
 
-def _unhealable(model) -> list[str]:
-    """What a heal cannot carry on with: communicators no owner rebuilds, and DDPs other than
-    ``model``, whose survivors' states may differ by a step and would not be made alike."""
-    others = [f"DistributedDataParallel {id(o):#x}" for o in _communicators.rebuilders()
-              if isinstance(o, DistributedDataParallel) and o is not model]
+def _unhealable(model, optimizer) -> list[str]:
+    """What a heal cannot carry on with: communicators no owner rebuilds, and DDPs and ZeRO
+    optimizers other than the Checkpointer's, whose states a heal would not make alike."""
+    others = [f"{type(o).__name__} {id(o):#x}" for o in _communicators.rebuilders()
+              if isinstance(o, (DistributedDataParallel, ZeroRedundancyOptimizer))
+              and o is not model and o is not optimizer]
     return _communicators.unrebuildable() + others
 
 
@@ -158,13 +166,16 @@ class Healer:
         active: whether this job can heal (``ulfm()`` and more than one rank).
         heals: one dict per heal: ``step``, ``lost`` (their ranks in ``MPI.COMM_WORLD``),
             ``world`` (the ranks after), ``seconds`` (from this rank's detection
-            to the end of the heal), ``root`` (whose state was taken).
+            to the end of the heal), ``root`` (whose state was taken; None with
+            ZeRO, where each survivor takes back its own).
 
     Raises:
         TypeError, ValueError: on every rank: not a Checkpointer, or one without
             a sampler; and, where this job can heal, what cannot: torch's DDP
-            or FSDP, a ``ZeroRedundancyOptimizer`` (its shards have no replica),
-            a DDP over a communicator other than the world, a second DDP, or
+            or FSDP, a ``ZeroRedundancyOptimizer`` in stage 2 or over a
+            communicator of its own (stage 1 over the world heals: its
+            constructor here starts the partner copies, collectively), a DDP
+            over a communicator other than the world, a second DDP or ZeRO, or
             communicators that no owner can rebuild (``mpidp.horovod``,
             torch.distributed groups over ``"mpidp"``, a ``SyncBatchNorm`` over a
             communicator of the program's). Where
@@ -181,10 +192,16 @@ class Healer:
         comm = checkpointer._comm if isinstance(checkpointer, Checkpointer) else runtime.world()
         agreement.agree(comm, error, "Healer(): can every rank heal?")
         self.checkpointer = checkpointer
+        self._zero = checkpointer.optimizer if self.active and isinstance(
+            checkpointer.optimizer, ZeroRedundancyOptimizer) else None
+        if self._zero is not None:
+            self._zero.keep_partner_copy()
         self.heals: list[dict] = []
         self._lost: float | None = None  # when this rank met the lost rank, until the heal
         self._snapshot: dict | None = None  # the state at the start of the step in guard()
-        self._spare: dict | None = None  # the last copy, whose memory the next one reuses
+        # the last copies, oldest first, whose memory the next ones reuse: one, or with ZeRO
+        # two (its survivors go back to the oldest step they all can, _take_zero_state)
+        self._copies: list[dict] = []
 
     @staticmethod
     def _check(checkpointer, active: bool) -> None:
@@ -204,11 +221,14 @@ class Healer:
         if not model._over_world:
             raise ValueError("Healer: the DistributedDataParallel trains over a communicator "
                              "of its own; only one over the world (comm=None) follows a heal")
-        if isinstance(checkpointer.optimizer, ZeroRedundancyOptimizer):
-            raise TypeError("Healer: a ZeroRedundancyOptimizer's shards have no replica on "
-                            "another rank, so a lost rank's shard cannot be recovered; use a "
-                            "plain torch optimizer")
-        stuck = _unhealable(model)
+        zero = checkpointer.optimizer
+        if isinstance(zero, ZeroRedundancyOptimizer) and not zero._over_world:
+            raise ValueError(f"Healer: the ZeroRedundancyOptimizer must be stage=1 over the "
+                             f"world (comm=None) to follow a heal, got stage={zero.stage}"
+                             f"{'' if zero.stage == 2 else ' over a communicator of its own'}: "
+                             f"a lost rank's shard is rebuilt from the copy its partner rank "
+                             f"keeps by stepping it too, which needs the whole gradients")
+        stuck = _unhealable(model, zero)
         if stuck:
             raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck} "
                              f"(what a heal rebuilds: docs/checkpoint.md#lost-ranks)")
@@ -303,7 +323,8 @@ class Healer:
 
     def _parts(self) -> dict:
         checkpointer = self.checkpointer
-        parts = {"optimizer": checkpointer.optimizer, "scheduler": checkpointer.scheduler,
+        optimizer = checkpointer.optimizer if self._zero is None else self._zero._local_state()
+        parts = {"optimizer": optimizer, "scheduler": checkpointer.scheduler,
                  "scaler": checkpointer.scaler}
         parts.update({f"extra:{name}": obj for name, obj in checkpointer.extra.items()})
         return {name: obj for name, obj in parts.items() if obj is not None}
@@ -314,17 +335,19 @@ class Healer:
 
     def _capture(self) -> dict:
         """This rank's state at the start of a step, copied (the step changes it in place)
-        into the memory of the last step's copy."""
-        last = self._spare or {}
+        into the memory of the oldest copy kept."""
+        keep = 1 if self._zero is None else 2
+        last = self._copies[0] if len(self._copies) >= keep else {}
         module = self.checkpointer.model.module
-        self._spare = {"model": _copy(module.state_dict(), last.get("model")),
-                       "rng": generators.states(), "position": self._position(),
-                       **{name: _copy(obj.state_dict(), last.get(name))
-                          for name, obj in self._parts().items()}}
-        return self._spare
+        copy = {"model": _copy(module.state_dict(), last.get("model")),
+                "rng": generators.states(), "position": self._position(),
+                **{name: _copy(obj.state_dict(), last.get(name))
+                   for name, obj in self._parts().items()}}
+        self._copies = [*self._copies[len(self._copies) - keep + 1:], copy]
+        return copy
 
     def _restore(self, snapshot: dict) -> None:
-        self._spare = None  # the optimizer may now hold these very tensors: copy afresh
+        self._copies = []  # the optimizer may now hold these very tensors: copy afresh
         c = self.checkpointer
         c.model.module.load_state_dict(snapshot["model"])
         for name, obj in self._parts().items():
@@ -340,17 +363,19 @@ class Healer:
         detected, self._lost = self._lost, None
         c = self.checkpointer
         old = runtime.world()
-        stuck = _unhealable(c.model)
+        stuck = _unhealable(c.model, self._zero)
         whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
         world = old.Shrink()
         lost = _lost_ranks(old, world)
         global_batch = c.batch_size * c.world
-        why = None
+        why, steps = None, None
         if not whole:
             why = f"communicators that cannot be rebuilt: {stuck or 'on another rank'}"
         elif global_batch % world.Get_size():
             why = (f"the global batch of {global_batch} samples does not divide among "
                    f"{world.Get_size()} ranks")
+        elif self._zero is not None:
+            why, steps = self._zero_step(old, world)
         if why is not None:  # the same on every survivor: all raise it, the job ends
             raise RuntimeError(f"mpidp.Healer: rank(s) {lost} of MPI_COMM_WORLD were lost at "
                                f"step {c.steps} and the run cannot go on at "
@@ -360,18 +385,23 @@ class Healer:
             atexit.register(_leave_without_finalize)
         runtime.set_world(world)
         _communicators.rebuild_all(world)
-        if self._snapshot is not None:  # this rank's step failed: back to its start
-            self._restore(self._snapshot)
-            self._snapshot = None
-        root = self._take_state(world)
+        if self._zero is not None:
+            root = self._take_zero_state(world, steps, _lost_ranks(old, world, old))
+        else:
+            if self._snapshot is not None:  # this rank's step failed: back to its start
+                self._restore(self._snapshot)
+                self._snapshot = None
+            root = self._take_state(world)
         self._resplit(world, global_batch, loader)
         seconds = time.monotonic() - detected
         self.heals.append(dict(step=c.steps, lost=lost, world=world.Get_size(),
                                seconds=seconds, root=root))
         if world.Get_rank() == 0:
+            whose = (f"the state of rank {root}" if root is not None else
+                     "each survivor's own state of that step, the ZeRO shards re-split")
             print(f"mpidp: rank(s) {lost} of MPI_COMM_WORLD lost; healed in {seconds:.2f} s, "
-                  f"going on at {world.Get_size()} ranks from step {c.steps} (the state of "
-                  f"rank {root})", flush=True)
+                  f"going on at {world.Get_size()} ranks from step {c.steps} ({whose})",
+                  flush=True)
 
     def _take_state(self, world: MPI.Intracomm) -> int:
         """Every survivor takes the state of the one with the most whole steps (collective)."""
@@ -391,6 +421,43 @@ class Healer:
         c.steps, c._epoch, c._base, c._batches, epoch, start = state["position"]
         c.sampler.epoch, c.sampler.start = epoch, start
         return root
+
+    def _zero_step(self, old: MPI.Intracomm, world: MPI.Intracomm) -> tuple[str | None, int]:
+        """With ZeRO: the step every survivor can go back to, or why there is none (collective).
+
+        A shard lives on its rank and, as a partner copy, on the next one; so the
+        survivors go on from one step whose state each holds a copy of: the
+        oldest any of them stands at (a survivor whose step failed went back to
+        its start). They differ by at most one step, and each keeps two copies.
+        """
+        mine = self._snapshot["position"][0] if self._snapshot is not None else \
+            self.checkpointer.steps
+        have = [copy["position"][0] for copy in self._copies]
+        facts = agreement.watched_allgather(world, (mine, have),
+                                            "Healer: which steps can each survivor go back to?")
+        steps = min(at for at, _ in facts)
+        lost, size = _lost_ranks(old, world, old), old.Get_size()
+        if any(at != steps and steps not in kept for at, kept in facts):
+            return (f"the survivors stand at steps {sorted({at for at, _ in facts})} and some "
+                    f"hold no copy of step {steps}"), steps
+        neighbours = [rank for rank in lost if (rank + 1) % size in lost]
+        if neighbours:
+            return (f"ranks {neighbours} and the next of each were lost together: their "
+                    f"ZeroRedundancyOptimizer shards had no other copy"), steps
+        return None, steps
+
+    def _take_zero_state(self, world: MPI.Intracomm, steps: int, lost: list[int]) -> None:
+        """Go back to ``steps``, then lay the ZeRO shards out over the survivors (collective)."""
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None or snapshot["position"][0] != steps:
+            # None: this rank's last step was whole and it stands at ``steps`` already
+            snapshot = next((copy for copy in self._copies if copy["position"][0] == steps), None)
+        if snapshot is not None:
+            self._restore(snapshot)
+        pieces = agreement.watched_allgather(world, self._zero._heal_pieces(lost),
+                                             "Healer: the ZeRO shards' states")
+        self._zero._regroup([piece for part in pieces for piece in part])
+        return None
 
     def _resplit(self, world: MPI.Intracomm, global_batch: int, loader: DataLoader) -> None:
         """The same global order from the agreed position, dealt to the survivors (local)."""

@@ -51,11 +51,14 @@ def _python() -> Path:
     return Path(given) if given else ROOT / ".venv-ompi" / "bin" / "python"
 
 
+EXTRA: list[str] = []  # --zero: every launch trains with a ZeroRedundancyOptimizer
+
+
 def _command(nprocs: int, directory: str, *extra: str) -> list[str]:
     python = _python()
     return [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--mca", "pml", "ob1", "--mca",
             "btl", "tcp,self", "--oversubscribe", "--bind-to", "none", "-n", str(nprocs),
-            str(python), SCRIPT, "--checkpoint-dir", directory, *extra]
+            str(python), SCRIPT, "--checkpoint-dir", directory, *EXTRA, *extra]
 
 
 def _env() -> dict:
@@ -135,7 +138,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strict", action="store_true")
     parser.add_argument("--outside", action="store_true")
+    parser.add_argument("--zero", action="store_true",
+                        help="a ZeroRedundancyOptimizer (stage 1): shards from partner copies")
     args = parser.parse_args()
+    if args.zero:
+        EXTRA.append("--zero")
     if GLOBAL_BATCH % (args.nprocs - 1):
         raise SystemExit(f"the global batch {GLOBAL_BATCH} must divide among {args.nprocs - 1}")
     expected, draw, cache = reference(), random.Random(args.seed), {}

@@ -29,7 +29,7 @@ def _doctor(command: list[str], env: dict, timeout: float = 240) -> subprocess.C
     try:
         return subprocess.run(command, cwd=launch.ROOT, env=full, capture_output=True, text=True,
                               timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as err:
+    except subprocess.TimeoutExpired:
         raise AssertionError(f"{' '.join(command)} did not finish in {timeout} s (hang?)") from None
 
 

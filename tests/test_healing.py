@@ -97,6 +97,19 @@ def test_killed_ranks_heal_and_the_run_follows_the_reference(tmp_path, reference
     print(f"recovery (detection to going on), seconds: {seconds}")
 
 
+def test_zero_shards_of_lost_ranks_come_back_from_their_partners(tmp_path, reference):
+    """ZeRO stage 1: each rank also steps the previous rank's shard, so a lost rank's optimizer
+    state is rebuilt from its partner's copy; the survivors go back to the oldest step any of
+    them stands at, and the shards are laid out again over them (4 -> 3 -> 2 ranks)."""
+    result = _ulfm(4, tmp_path / "ckpt", "1:5:backward", "0:13:between", extra=["--zero"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(result.stdout)]
+    assert found == [(1, 3, 4), (0, 2, 13)], output[-6000:]
+    assert "the ZeRO shards re-split" in result.stdout, output[-3000:]
+    _check_losses(result.stdout, reference)
+
+
 def test_a_syncbatchnorm_follows_a_heal_over_the_survivors(tmp_path, reference_with_batchnorm):
     """The SyncBatchNorm's channel is rebuilt over the survivors with the DDP's communicators:
     its statistics are then the survivors' whole global batch's, as one process's are."""

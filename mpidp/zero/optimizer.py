@@ -24,6 +24,7 @@ from ..ddp.buckets import Shards, assign_buckets
 from .bucket import Bucket
 from .checkpoint import CheckpointMixin
 from .elementwise import elementwise_keys
+from .partner import HealingMixin
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -31,7 +32,7 @@ _MB = 1024 * 1024
 _LABEL = "ZeroRedundancyOptimizer.{}: error agreement"
 
 
-class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimizer):
     """An optimizer whose state is sharded across the ranks (ZeRO stage 1, or 2 with a DDP).
 
     torch's ``ZeroRedundancyOptimizer`` interface: ``step()``, ``zero_grad()``,
@@ -118,8 +119,11 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
         agree(base, error, _LABEL.format("__init__()"))
         decide(base, self._signature(optimizer_class, stage, chunk_bytes), self._mismatch,
                "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
-        self._comm = _communicators.made(base.Dup(),
-                                         f"ZeroRedundancyOptimizer {id(self):#x}")
+        # over the world in stage 1, a heal can rebuild it (mpidp.Healer, partner.py)
+        self._over_world = stage == 1 and comm is None and process_group is None
+        self._partner = None  # keep_partner_copy()'s
+        self._comm = _communicators.made(base.Dup(), f"ZeroRedundancyOptimizer {id(self):#x}",
+                                         rebuild=self._rebuild if self._over_world else None)
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         self.stage = stage
         self.optimizer_class = optimizer_class
@@ -337,6 +341,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 piece.grad = grad
                 pieces.append(piece)
             self.optim.step()
+            if self._partner is not None:
+                self._partner.step(self)
         except Exception as caught:  # on one rank, it would leave the others in the allgathers
             error = caught
         finally:

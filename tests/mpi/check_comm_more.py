@@ -416,7 +416,7 @@ def test_average_of_something_else_is_an_error_on_every_rank(value, error):
     assert str(info.value) == f"average: rank {ODD}: {error}"
     agree_on_every_rank(str(info.value))
     if SIZE > 1:
-        with pytest.raises(TypeError, match=rf"average: ranks mix numbers and dicts: "):
+        with pytest.raises(TypeError, match=r"average: ranks mix numbers and dicts: "):
             average(1.0 if RANK == ODD else {"loss": 1.0})
     sums_agree()
 
@@ -593,7 +593,7 @@ BAD_CALLS = {
         rf"output.numel\(\) elements to scatter"),
     "iscatter tensor on a sender": (
         lambda c: comm.iscatter(torch.empty(4), torch.ones(4 * SIZE), (ODD + 1) % SIZE, comm=c),
-        ValueError, rf"tensor must be None on ranks other than the root"),
+        ValueError, r"tensor must be None on ranks other than the root"),
     "scatter tensor 1 too short": (
         lambda c: comm.scatter(torch.empty(4), torch.ones(4 * SIZE - 1), ODD, comm=c), ValueError,
         rf"tensor must have world size \({SIZE}\) x output.numel\(\) = {4 * SIZE} elements"),

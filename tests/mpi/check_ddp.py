@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mpidp
-from _models import (OPTIMIZERS, RANK, SIZE, Branches, Frozen, Tied, inputs, loss_of, max_rel_diff,
+from _models import (OPTIMIZERS, SIZE, Branches, Frozen, Tied, inputs, loss_of, max_rel_diff,
                      reference_copy, shard, fresh)
 
 STEPS = 5

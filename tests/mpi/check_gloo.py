@@ -5,7 +5,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import mpidp
-from _models import RANK, SIZE, Branches, inputs, loss_of, max_rel_diff, reference_copy, shard, fresh
+from _models import RANK, SIZE, Branches, inputs, loss_of, max_rel_diff, shard, fresh
 
 TOLERANCE = 1e-5
 

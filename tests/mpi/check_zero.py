@@ -935,3 +935,66 @@ def test_stage_1_chunks_follow_mpidp_chunk_mb_unless_chunk_mb_is_given(monkeypat
     per_chunk = mpidp.comm.chunking.chunk_numel(mpidp.comm.chunking.chunk_bytes(), 8)
     assert chunk_of(following) == max(1, per_chunk // SIZE) * SIZE  # 131 float64, rounded
     assert chunk_of(given) == following._buckets[0].shards.padded  # one chunk: 4 MiB > 8 KB
+
+
+# -- a partner copy of each shard (mpidp.Healer's ZeRO path, mpidp/zero/partner.py) ---------
+
+
+def full_batch_step(model, opt, step):
+    """One step on the whole global batch, the same on every rank (no DDP: a rank stays out)."""
+    plain_step_full_batch(model, opt, step)
+
+
+def test_a_partner_copy_is_its_ranks_shard_and_rebuilds_it_when_that_rank_is_gone():
+    """Each rank also steps the previous rank's shard: its copy equals that rank's own state.
+    Then the last rank stays out, as a lost one would: the others lay the optimizer out over
+    themselves from their own pieces and the copy of its shard, and train on as plain Adam.
+    (Under ULFM, the whole heal: tests/test_healing.py.)"""
+    torch.manual_seed(0)
+    expected_model = mlp()
+    model = mlp()
+    model.load_state_dict(expected_model.state_dict())
+    expected_opt = torch.optim.Adam(expected_model.parameters(), lr=1e-2)
+    opt = mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2,
+                                        bucket_cap_mb=SMALL, chunk_mb=SMALL)
+    half = STEPS // 2
+    for step in range(half):
+        full_batch_step(model, opt, step)
+    opt.keep_partner_copy()  # starts from the previous rank's state: one message each way
+    for step in range(half, STEPS):
+        full_batch_step(model, opt, step)
+    for step in range(STEPS + half):
+        full_batch_step(expected_model, expected_opt, step)
+    world = MPI.COMM_WORLD
+    theirs = world.sendrecv(opt._piece_states(), dest=(RANK + 1) % SIZE, source=(RANK - 1) % SIZE)
+    copy = opt._partner.states()
+    assert [piece[:3] for piece in copy] == [piece[:3] for piece in theirs]
+    for (*_, mine), (*_, own) in zip(copy, theirs):
+        assert all(torch.equal(mine[key], own[key]) for key in own), "the copy differs"
+    lost = SIZE - 1
+    survivors = world.Split(0 if RANK != lost else MPI.UNDEFINED, RANK)
+    if RANK == lost:
+        mpidp.communicators.release(opt._comm)
+    else:
+        opt._rebuild(survivors)
+        pieces = survivors.allgather(opt._heal_pieces([lost]))
+        opt._regroup([piece for part in pieces for piece in part])
+        assert (opt.rank, opt.world) == (RANK, SIZE - 1)
+        for step in range(STEPS, STEPS + half):
+            full_batch_step(model, opt, step)
+        diff = max_rel_diff([p.detach() for p in model.parameters()],
+                            [p.detach() for p in expected_model.parameters()])
+        report("partner-copy-regroup", diff)
+        assert diff < TOL64
+        mpidp.communicators.free(opt._comm)
+        survivors.Free()
+    assert_alive()
+
+
+def test_a_partner_copy_is_refused_in_stage_2_on_every_rank():
+    ddp = mpidp.DistributedDataParallel(seeded(mlp))
+    opt = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, stage=2, lr=1e-2)
+    with pytest.raises(ValueError, match="partner copy needs the whole gradients of stage=1"):
+        opt.keep_partner_copy()
+    assert_alive()
+    ddp.close()

@@ -85,6 +85,9 @@ def main() -> None:
                         help="save a checkpoint of the last step (a reference's first half)")
     parser.add_argument("--shared-memory", action="store_true",
                         help="reduce in shared memory (else MPI allreduces, killable in one)")
+    parser.add_argument("--zero", action="store_true",
+                        help="a ZeroRedundancyOptimizer (stage 1, Adam): a heal rebuilds the "
+                             "lost rank's shard from its partner's copy")
     parser.add_argument("--syncbn", action="store_true",
                         help="a SyncBatchNorm in the model (its channel is rebuilt by a heal)")
     args = parser.parse_args()
@@ -105,7 +108,11 @@ def main() -> None:
     # small buckets: several allreduces per step, so a kill can fall between two of them
     ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                         shared_memory=args.shared_memory)
-    optimizer, scheduler = heal_model.optimizers(ddp.parameters())
+    if args.zero:  # the same Adam and schedule as heal_model.optimizers, sharded
+        optimizer = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    else:
+        optimizer, scheduler = heal_model.optimizers(ddp.parameters())
     checkpointer = mpidp.Checkpointer(args.checkpoint_dir, model=ddp, optimizer=optimizer,
                                       scheduler=scheduler, sampler=sampler,
                                       batch_size=batch_size, every=8, signals=())
