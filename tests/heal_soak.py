@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--outside", action="store_true")
     parser.add_argument("--zero", action="store_true",
                         help="a ZeroRedundancyOptimizer (stage 1): shards from partner copies")
+    parser.add_argument("--keep", type=Path, help="write each failed launch's whole output here")
     args = parser.parse_args()
     if args.zero:
         EXTRA.append("--zero")
@@ -191,6 +192,9 @@ def main() -> None:
         if problems:
             failures += 1
             print(text[-3000:], flush=True)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                (args.keep / f"launch-{launch}.txt").write_text(f"{plan}\n{text}\n")
     for name, values in (("the Healer's own (detection to going on)", own),
                          ("kill to the healed line", seen)):
         if values:

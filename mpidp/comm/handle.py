@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import itertools
 import threading
 
 from mpi4py import MPI
@@ -66,6 +68,33 @@ def wait_request(request: MPI.Request, label=None, waiting: bool = False) -> Non
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
 
 
+# Blocking forms that Open MPI 5.0.11 under ULFM (mpirun --with-ft ulfm) may complete with
+# MPI_SUCCESS without moving any data when a rank of ``comm`` dies during them: MPI_Allgatherv
+# returned success on some or all survivors with the receive buffer untouched in 5 of 5
+# launches of 4 ranks whose rank 0, 2 or 3 SIGKILLed itself in a loop of them, while
+# Iallgatherv, Allgather, Allreduce, Bcast, Gather(v), Scatterv, Alltoall(v) and
+# Reduce_scatter_block always raised MPI_ERR_PROC_FAILED (docs/checkpoint.md#lost-ranks).
+# These run as their I-form and a wait, everywhere: the same messages, in the same order.
+_WAITED = frozenset({"Allgatherv"})
+
+
+def _allgather_objects(comm: MPI.Intracomm, obj) -> list:
+    """mpi4py's ``comm.allgather(obj)`` without its MPI_Allgatherv (``_WAITED``): the sizes by
+    Allgather, the pickles by Iallgatherv and a wait."""
+    data = MPI.pickle.dumps(obj)
+    sizes = array.array("q", [0]) * comm.Get_size()
+    comm.Allgather([array.array("q", [len(data)]), MPI.INT64_T], [sizes, MPI.INT64_T])
+    offsets = [0, *itertools.accumulate(sizes)]
+    received = bytearray(offsets[-1])
+    comm.Iallgatherv([data, len(data), MPI.BYTE],
+                     [received, (list(sizes), offsets[:-1]), MPI.BYTE]).Wait()
+    view = memoryview(received)
+    return [MPI.pickle.loads(view[a:b]) for a, b in zip(offsets, offsets[1:])]
+
+
+_OBJECT_FORMS = {"allgather": _allgather_objects}
+
+
 def collective(comm: MPI.Intracomm, name: str, args, label):
     """Run MPI collective ``name`` on ``comm``, blocking, for what is not a tensor; return its result.
 
@@ -83,6 +112,8 @@ def collective(comm: MPI.Intracomm, name: str, args, label):
     ticket = _recorder.started(comm, name, -1, None, (), label if isinstance(label, str) else None)
     slot = _watchdog.begin(label)
     try:
+        if name in _OBJECT_FORMS:
+            return _OBJECT_FORMS[name](comm, *args)
         return getattr(comm, name)(*args)
     except MPI.Exception as error:
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
@@ -187,7 +218,10 @@ def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocki
         else:
             slot = _watchdog.begin(label, scope)
             try:
-                getattr(comm, name)(*args)
+                if name in _WAITED:
+                    getattr(comm, "I" + name.lower())(*args).Wait()
+                else:
+                    getattr(comm, name)(*args)
             finally:
                 slot.current = None
     except MPI.Exception as error:
