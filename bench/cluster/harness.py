@@ -535,12 +535,14 @@ class Cluster:
     # -- jobs
 
     def mpiexec(self, argv: list[str], *, ppn: int = 1, hosts: list[str] | None = None,
-                mpiexec: str | None = None, env_names=()) -> tuple[list[str], dict]:
+                mpiexec: str | None = None, env_names=(),
+                options=()) -> tuple[list[str], dict]:
         """The command that runs ``argv`` on ``ppn`` ranks of each host, launched inside the first.
 
         Each library's own launcher, with the launcher script in place of ssh:
         MPICH's hydra (``-launcher-exec``), Open MPI's ``mpirun`` (``plm_rsh_agent``;
         ``-x`` for each of ``env_names``), Intel MPI's hydra (``I_MPI_HYDRA_BOOTSTRAP_EXEC``).
+        ``options`` go to the launcher after the harness's own (``--with-ft ulfm``, say).
 
         Returns:
             (argv, environment variables the launcher needs).
@@ -566,13 +568,15 @@ class Cluster:
             line = [launcher, "-launcher", "ssh", "-launcher-exec", str(self.launcher),
                     "-hosts", ",".join(hosts), "-ppn", str(ppn), "-n", count]
             env = {}
-        return [*self.nsenter(hosts[0]), *line, *map(str, argv)], env
+        return [*self.nsenter(hosts[0]), *line, *map(str, options), *map(str, argv)], env
 
     def launch(self, argv: list[str], *, ppn: int = 1, hosts: list[str] | None = None,
-               env: dict | None = None, mpiexec: str | None = None, echo: bool = False) -> Job:
+               env: dict | None = None, mpiexec: str | None = None, echo: bool = False,
+               options=()) -> Job:
         """Start ``argv`` across the nodes (see ``mpiexec``); wait with ``Job.wait``."""
         env = dict(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-        line, needed = self.mpiexec(argv, ppn=ppn, hosts=hosts, mpiexec=mpiexec, env_names=env)
+        line, needed = self.mpiexec(argv, ppn=ppn, hosts=hosts, mpiexec=mpiexec, env_names=env,
+                                    options=options)
         return Job(self, line, {**os.environ, **needed, **env}, echo)
 
     def run(self, argv: list[str], *, timeout: float, **options) -> JobResult:
