@@ -72,10 +72,10 @@ def _ulfm(nprocs: int, directory: Path, *kills: str, extra=(), timeout: float = 
                       *(arg for kill in kills for arg in ("--kill", kill))], timeout)
 
 
-def _ulfm_run(python: Path, nprocs: int, args: list[str], timeout: float):
+def _ulfm_run(python: Path, nprocs: int, args: list[str], timeout: float, env=None):
     """``mpirun --with-ft ulfm ... python ARGS`` with the Open MPI environment's python."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **(env or {}))
     command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--mca", "pml", "ob1",
                "--mca", "btl", "tcp,self", "--oversubscribe", "--bind-to", "none",
                "-n", str(nprocs), str(python), *args]
@@ -132,6 +132,18 @@ def test_a_gather_across_a_dying_rank_raises_and_never_returns_other_data():
         lost = [line for line in lines if ": lost at round " in line]
         assert len(lost) + len(wrong) == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_stall_after_a_lost_rank_is_reported_and_ends_the_job():
+    """The watchdogs' communicator lost a rank and nothing healed: a later stall still ends
+    the job, and says why no summary came (not that the communicator was never made)."""
+    result = _ulfm_run(_openmpi_python(), 3, ["tests/mpi/ulfm_stall.py"], timeout=120,
+                       env={"MPIDP_TIMEOUT": "2"})
+    output = result.stdout + result.stderr
+    assert "rank 0 waits for rank 1" in output and "went on past" not in output, output[-4000:]
+    assert "[mpidp rank 0/3] stall: waiting" in output, output[-4000:]
+    assert "no summary: a rank of the watchdogs' communicator was lost" in output, output[-4000:]
+    assert result.returncode != 0
 
 
 def test_a_syncbatchnorm_follows_a_heal_over_the_survivors(tmp_path, reference_with_batchnorm):

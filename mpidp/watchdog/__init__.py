@@ -216,6 +216,7 @@ def _evidence(reason: str) -> None:
 
 _thread: threading.Thread | None = None
 _channel: stall_report.Channel | None = None
+_channel_lost = False  # the channel was dropped because a peer was lost (ULFM), until a heal
 _multiple = False
 _started = False  # start() ran (the communicator exists on every rank)
 _comm: MPI.Intracomm | None = None  # the channel's communicator, kept for a heal to release
@@ -270,14 +271,14 @@ def _rebuild(world: MPI.Intracomm) -> None:
     The old channel's requests died with its revoked communicator; the watchdog
     thread, which may have stopped on them, starts again.
     """
-    global _channel, _thread
+    global _channel, _thread, _channel_lost
     with _channel_lock:
         _channel = None
     _communicators.release(_comm)
     channel = _open_channel(world) if world.Get_size() > 1 else None
     stall_report.set_rank(world.Get_rank(), world.Get_size())
     with _channel_lock:
-        _channel = channel
+        _channel, _channel_lost = channel, False
     if _thread is not None and not _thread.is_alive():
         _thread = None
         _ensure_thread()
@@ -343,7 +344,7 @@ def _tick(now: float) -> None:
 
 
 def _tick_locked(now: float) -> None:
-    global _deadline, _channel
+    global _deadline, _channel, _channel_lost
     # This rank's own stall first: rank 0 may otherwise hear every other rank's
     # report in this poll and print the summary (and abort) before its own line.
     stalled = [(s, r) for s, r in _in_progress()
@@ -358,6 +359,7 @@ def _tick_locked(now: float) -> None:
         if not _errors.lost_rank(error):
             raise
         _channel, summary = None, None  # a peer is gone: no summary until a heal's new channel
+        _channel_lost = True
     if summary is not None:
         _conclude(summary)
     if _deadline is not None and now >= _deadline:
@@ -365,6 +367,9 @@ def _tick_locked(now: float) -> None:
             why = "rank 0 did not end the job after this rank's stall report"
         elif not _multiple:
             why = "no summary below MPI_THREAD_MULTIPLE"
+        elif _channel_lost:
+            why = ("no summary: a rank of the watchdogs' communicator was lost, and no heal "
+                   "made a new one")
         else:
             why = "no summary: the watchdogs' communicator was never created (watchdog.start())"
         stall_report.abort(f"{why}; aborting the job from this rank (MPIDP_TIMEOUT_ACTION=abort)",
