@@ -35,7 +35,8 @@ class CheckpointMixin:
 
     They read the optimizer's buckets (``_buckets``), inner optimizer
     (``optim``), ``_sharded_keys``, ``_comm``, ``rank`` and ``world``, and its
-    helpers ``_params``, ``_hyper`` and ``_sync_back``.
+    helpers ``_params``, ``_hyper`` and ``_sync_back``, and a Healer's partner copy
+    (``_partner``, ``partner.py``), which a load refreshes.
     """
 
     def _piece_states(self) -> list[tuple[int, int, int, dict]]:
@@ -156,6 +157,8 @@ class CheckpointMixin:
         for outer, group in zip(self.param_groups, groups):
             outer.update(self._hyper(group))
         self._sync_back()
+        if self._partner is not None:  # a Healer's copy of the previous rank's shard follows
+            self._partner.load(self, pieces)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state dict (``state_dict()`` of this class or of a plain torch optimizer

@@ -454,6 +454,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
         for bucket in self._buckets[first:]:
             self._add_pieces(bucket)
         self._sync_back()
+        if self._partner is not None:  # the new pieces start without state, as their owner's
+            self._partner = type(self._partner)(self, self._partner.states())
 
     def __repr__(self) -> str:
         return (f"ZeroRedundancyOptimizer(stage={self.stage}, rank {self.rank} of {self.world}, "

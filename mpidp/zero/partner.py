@@ -141,6 +141,7 @@ class HealingMixin:
         """Lay the optimizer out over its new communicator; each shard's state from ``pieces``
         (every old shard's, the same on every rank; collective)."""
         groups = [self._hyper(group) for group in self.param_groups]
+        self._partner = None  # the old layout's; made again below
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         self._buckets = []
         self._lay_out(list(range(len(self._params()))))

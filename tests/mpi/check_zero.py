@@ -945,6 +945,39 @@ def full_batch_step(model, opt, step):
     plain_step_full_batch(model, opt, step)
 
 
+def assert_copy_is_the_previous_ranks(opt):
+    """This rank's partner copy equals the previous rank's own state, bit for bit."""
+    theirs = MPI.COMM_WORLD.sendrecv(opt._piece_states(), dest=(RANK + 1) % SIZE,
+                                     source=(RANK - 1) % SIZE)
+    copy = opt._partner.states()
+    assert [piece[:3] for piece in copy] == [piece[:3] for piece in theirs]
+    for (*_, mine), (*_, own) in zip(copy, theirs):
+        assert sorted(mine) == sorted(own)
+        assert all(torch.equal(mine[key], own[key]) for key in own), "the copy differs"
+
+
+def test_a_partner_copy_follows_a_loaded_state_and_a_new_param_group():
+    """A state loaded after the copy began (a resume after the Healer was made) and parameters
+    added later reach the copy too: else a heal would take a stale shard."""
+    torch.manual_seed(0)
+    model, other = mlp(), mlp()
+    other.load_state_dict(model.state_dict())
+    opt = mpidp.ZeroRedundancyOptimizer(list(model.parameters())[:4], torch.optim.Adam, lr=1e-2,
+                                        bucket_cap_mb=SMALL, chunk_mb=SMALL)
+    opt.keep_partner_copy()
+    plain = torch.optim.Adam(list(other.parameters())[:4], lr=1e-2)
+    for step in range(3):
+        full_batch_step(other, plain, step)
+    opt.load_state_dict(plain.state_dict())  # on every rank; each keeps its shard
+    assert_copy_is_the_previous_ranks(opt)
+    opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    for step in range(3):
+        full_batch_step(model, opt, step)
+    assert_copy_is_the_previous_ranks(opt)
+    mpidp.communicators.free(opt._comm)
+    assert_alive()
+
+
 def test_a_partner_copy_is_its_ranks_shard_and_rebuilds_it_when_that_rank_is_gone():
     """Each rank also steps the previous rank's shard: its copy equals that rank's own state.
     Then the last rank stays out, as a lost one would: the others lay the optimizer out over
@@ -966,11 +999,7 @@ def test_a_partner_copy_is_its_ranks_shard_and_rebuilds_it_when_that_rank_is_gon
     for step in range(STEPS + half):
         full_batch_step(expected_model, expected_opt, step)
     world = MPI.COMM_WORLD
-    theirs = world.sendrecv(opt._piece_states(), dest=(RANK + 1) % SIZE, source=(RANK - 1) % SIZE)
-    copy = opt._partner.states()
-    assert [piece[:3] for piece in copy] == [piece[:3] for piece in theirs]
-    for (*_, mine), (*_, own) in zip(copy, theirs):
-        assert all(torch.equal(mine[key], own[key]) for key in own), "the copy differs"
+    assert_copy_is_the_previous_ranks(opt)
     lost = SIZE - 1
     survivors = world.Split(0 if RANK != lost else MPI.UNDEFINED, RANK)
     if RANK == lost:
