@@ -134,8 +134,8 @@ def test_a_ddp_rebuilt_over_the_world_trains_on_as_before(directory):
     ("no sampler", "needs the Checkpointer's sampler"),  # even where nothing can heal
     ("second ddp", "cannot follow a heal"),
     ("pool", "cannot follow a heal"),
-    # last: a ZeroRedundancyOptimizer keeps its communicator for good
-    ("zero", "ZeroRedundancyOptimizer's shards have no replica"),
+    ("zero stage 2", "must be stage=1 over the world"),
+    ("second zero", "cannot follow a heal"),
 ])
 def test_what_cannot_heal_is_an_error_on_every_rank(directory, what, message, monkeypatch):
     """The refusals of a job that could heal: ULFM's presence is forced (nothing is lost here)."""
@@ -150,8 +150,14 @@ def test_what_cannot_heal_is_an_error_on_every_rank(directory, what, message, mo
         model = _model()
     else:
         model = mpidp.DistributedDataParallel(_model())
-    optimizer = (mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-                 if what == "zero" else torch.optim.SGD(model.parameters(), lr=0.1))
+    zeros = []
+    if what in ("zero stage 2", "second zero"):
+        zeros = [mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                               stage=2 if what == "zero stage 2" else 1)]
+        if what == "second zero":
+            zeros.append(mpidp.ZeroRedundancyOptimizer(_model().parameters(), torch.optim.SGD,
+                                                       lr=0.1))
+    optimizer = zeros[0] if zeros else torch.optim.SGD(model.parameters(), lr=0.1)
     if what == "second ddp":
         closing.append(mpidp.DistributedDataParallel(_model()))
     if what == "pool":
@@ -168,4 +174,26 @@ def test_what_cannot_heal_is_an_error_on_every_rank(directory, what, message, mo
             ddp.close()
     if what == "pool":
         pool.free()
+    for zero in zeros:
+        mpidp.communicators.free(zero._comm)
     dup.Free()
+
+
+def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directory, monkeypatch):
+    """Where the job can heal (ULFM forced here), a ZeRO optimizer of stage 1 over the world
+    heals from partner copies (mpidp/zero/partner.py): the Healer starts them."""
+    monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
+    torch.manual_seed(0)
+    model = mpidp.DistributedDataParallel(_model())
+    optimizer = mpidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                              momentum=0.9)
+    dataset = _data()
+    sampler = mpidp.DistributedSampler(dataset)
+    checkpointer = mpidp.Checkpointer(directory, model=model, optimizer=optimizer,
+                                      sampler=sampler, batch_size=2, signals=())
+    healer = mpidp.Healer(checkpointer)
+    assert healer.active and optimizer._partner is not None
+    assert optimizer._partner.of == (COMM.Get_rank() - 1) % COMM.Get_size()
+    checkpointer.close()
+    model.close()
+    mpidp.communicators.free(optimizer._comm)
