@@ -27,8 +27,10 @@ figure (detection to going on), whether mpidp's stall watchdog
 ``--limit`` seconds after the loss; then the harness kills the job and sweeps
 the nodes. ``--detector`` turns on ULFM's heartbeat failure detector
 (``mpi_ft_detector``, period and timeout by flag); ``--keepalive`` shortens the
-TCP keepalive of PRRTE's daemon links (``oob_tcp_keepalive_*``). Run with the
-Open MPI environment's Python: its ``mpirun`` and its ``libmpi`` are used.
+TCP keepalive of PRRTE's daemon links (``oob_tcp_keepalive_*``);
+``--launcher-options`` adds any other words to ``mpirun``'s line (PRRTE's
+``--runtime-options``, say). Run with the Open MPI environment's Python: its
+``mpirun`` and its ``libmpi`` are used.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -72,7 +75,7 @@ def _options(args) -> list[str]:
         options += ["--prtemca", "oob_tcp_keepalive_time", str(time_),
                     "--prtemca", "oob_tcp_keepalive_intvl", str(interval),
                     "--prtemca", "oob_tcp_keepalive_probes", str(probes)]
-    return options + args.mca
+    return options + args.mca + args.launcher_options
 
 
 def _lose(cluster: Cluster, node: str, how: str) -> int:
@@ -185,6 +188,9 @@ def main(argv=None) -> int:
                         help="PRRTE's oob_tcp_keepalive_time, _intvl, _probes")
     parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="one more mpirun --mca NAME VALUE (repeatable)")
+    parser.add_argument("--launcher-options", action="append", default=[], metavar="WORDS",
+                        help="more words for mpirun's line, as one string "
+                             "(e.g. '--runtime-options continuous'; repeatable)")
     parser.add_argument("--strict", action="store_true",
                         help="also compare with the run that changed its size at that step")
     parser.add_argument("--prefix", default="mpidphc")
@@ -192,6 +198,8 @@ def main(argv=None) -> int:
                         help="checkpoints and outputs (shared by the nodes: not /tmp)")
     args = parser.parse_args(argv)
     args.mca = [word for name, value in args.mca for word in ("--mca", name, value)]
+    args.launcher_options = [word for words in args.launcher_options
+                             for word in shlex.split(words)]
     if GLOBAL_BATCH % (NODES - 1):
         raise SystemExit(f"the global batch {GLOBAL_BATCH} must divide among {NODES - 1}")
     expected, cache, passed = reference(), {}, 0
