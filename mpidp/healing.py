@@ -71,9 +71,9 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from . import generators, runtime
 from .comm import agreement
+from .comm.handle import collective
 from . import communicators as _communicators
 from . import errors as _errors
-from . import watchdog as _watchdog
 from .checkpoint import Checkpointer
 from .ddp.data_parallel import DistributedDataParallel
 from .ddp.replica import broadcast_coalesced
@@ -412,7 +412,7 @@ class Healer:
         if world.Get_rank() == root:
             state = {"position": self._position(), "rng": None,
                      **{name: obj.state_dict() for name, obj in self._parts().items()}}
-        state = _watchdog.watched("Healer: the state's broadcast", world.bcast, state, root)
+        state = collective(world, "bcast", (state, root), "Healer: the state's broadcast")
         module = c.model.module
         broadcast_coalesced([*module.parameters(), *module.buffers()], root, comm=world)
         if world.Get_rank() != root:
