@@ -74,6 +74,7 @@ from .comm import agreement
 from .comm.handle import collective
 from . import communicators as _communicators
 from . import errors as _errors
+from . import watchdog as _watchdog
 from .checkpoint import Checkpointer
 from .ddp.data_parallel import DistributedDataParallel
 from .ddp.replica import broadcast_coalesced
@@ -365,7 +366,7 @@ class Healer:
         old = runtime.world()
         stuck = _unhealable(c.model, self._zero)
         whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
-        world = old.Shrink()
+        world = _watchdog.watched("Healer: the world's shrink (MPI_Comm_shrink)", old.Shrink)
         lost = _lost_ranks(old, world)
         global_batch = c.batch_size * c.world
         why, steps = None, None
