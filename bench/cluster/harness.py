@@ -235,13 +235,16 @@ exec nsenter -t "$pid" -n -m -u -- /bin/sh -c "$*"
 
 
 def launcher_flavor(mpiexec: str) -> str:
-    """Which launcher ``mpiexec`` is: "openmpi", "impi" (Intel MPI) or "hydra" (MPICH)."""
+    """Which launcher ``mpiexec`` is: "openmpi", "prrte" (a PRRTE of its own, e.g. built from
+    its master branch, running Open MPI's ranks), "impi" (Intel MPI) or "hydra" (MPICH)."""
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                              timeout=30, env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
                                                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
     text = version.stdout + version.stderr
     if "Open MPI" in text or "OpenRTE" in text:
         return "openmpi"
+    if "(PRRTE)" in text:
+        return "prrte"
     return "impi" if "Intel(R) MPI" in text else "hydra"
 
 
@@ -553,13 +556,15 @@ class Cluster:
             raise ValueError(f"hosts must be nodes of this cluster {self.names}, got {unknown}")
         launcher = mpiexec or str(Path(sys.executable).parent / "mpiexec")
         flavor, count = launcher_flavor(launcher), str(ppn * len(hosts))
-        if flavor == "openmpi":
-            line = [launcher, "--mca", "plm_rsh_agent", str(self.launcher),
+        if flavor in ("openmpi", "prrte"):
+            personality = ["--personality", "ompi"] if flavor == "prrte" else []
+            line = [launcher, *personality, "--mca", "plm_rsh_agent", str(self.launcher),
                     "--host", ",".join(f"{host}:{ppn}" for host in hosts),
                     "--map-by", f"ppr:{ppn}:node:OVERSUBSCRIBE", "-n", count]
             for name in env_names:
                 line += ["-x", name]
-            env = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            env = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                       PRTE_ALLOW_RUN_AS_ROOT="1", PRTE_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         elif flavor == "impi":
             line = [launcher, "-hosts", ",".join(hosts), "-ppn", str(ppn), "-n", count]
             env = dict(I_MPI_HYDRA_BOOTSTRAP="ssh", I_MPI_HYDRA_BOOTSTRAP_EXEC=str(self.launcher),

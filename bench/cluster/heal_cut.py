@@ -30,7 +30,12 @@ the nodes. ``--detector`` turns on ULFM's heartbeat failure detector
 TCP keepalive of PRRTE's daemon links (``oob_tcp_keepalive_*``);
 ``--launcher-options`` adds any other words to ``mpirun``'s line (PRRTE's
 ``--runtime-options``, say). Run with the Open MPI environment's Python: its
-``mpirun`` and its ``libmpi`` are used.
+``mpirun`` and its ``libmpi`` are used. ``--launcher`` names another: a
+``prterun`` built by ``prrte_master.sh`` goes on after a lost daemon.
+
+    python bench/cluster/heal_cut.py --summary TRIALS.jsonl ...
+
+tabulates saved trial lines (its output, one JSON line per trial) per way of losing the node.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import Cluster, down, pids_in  # noqa: E402
+from harness import Cluster, down, launcher_flavor, pids_in  # noqa: E402
 from heal_model import GLOBAL_BATCH, STEPS, reference, worst_difference  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "mpi" / "heal_train.py"
@@ -71,10 +77,12 @@ def _options(args) -> list[str]:
                     "--mca", "mpi_ft_detector_period", f"{args.period:g}",
                     "--mca", "mpi_ft_detector_timeout", f"{args.detector_timeout:g}"]
     if args.keepalive:
+        # PRRTE 3.0 (the wheel's) names them oob_tcp_keepalive_*; PRRTE's master prte_keepalive_*
+        stem = "prte_keepalive" if launcher_flavor(args.launcher) == "prrte" else "oob_tcp_keepalive"
         time_, interval, probes = args.keepalive
-        options += ["--prtemca", "oob_tcp_keepalive_time", str(time_),
-                    "--prtemca", "oob_tcp_keepalive_intvl", str(interval),
-                    "--prtemca", "oob_tcp_keepalive_probes", str(probes)]
+        options += ["--prtemca", f"{stem}_time", str(time_),
+                    "--prtemca", f"{stem}_intvl", str(interval),
+                    "--prtemca", f"{stem}_probes", str(probes)]
     return options + args.mca + args.launcher_options
 
 
@@ -123,10 +131,17 @@ def trial(args, number: int, expected: list[float], strict_cache: dict) -> dict:
     argv = [sys.executable, SCRIPT, "--checkpoint-dir", directory / "ckpt",
             "--pace", f"{args.pace:g}"]
     env = {"MPIDP_TIMEOUT": f"{args.watchdog:g}"}
+    if launcher_flavor(args.launcher) == "prrte":  # the ranks' Open MPI: this environment's
+        env["OPAL_PREFIX"] = str(Path(sys.executable).parent.parent)
     facts: dict = dict(trial=number, how=args.how, node=node, detector=args.detector,
-                       keepalive=args.keepalive, options=_options(args))
+                       keepalive=args.keepalive, launcher=args.launcher,
+                       tcp_retries2=args.tcp_retries2, options=_options(args))
     with Cluster(NODES, rate="1gbit", prefix=args.prefix) as cluster:
-        job = cluster.launch(argv, ppn=1, env=env, options=_options(args))
+        if args.tcp_retries2 is not None:  # the launcher's node only (a per-namespace setting)
+            subprocess.run([*cluster.nsenter("n0"), "sysctl", "-q", "-w",
+                            f"net.ipv4.tcp_retries2={args.tcp_retries2}"], check=True)
+        job = cluster.launch(argv, ppn=1, env=env, options=_options(args),
+                             mpiexec=args.launcher)
         try:
             if not job.wait_for(f"step {args.after} loss", 180):
                 facts["problem"] = "never reached the step to lose the node at"
@@ -170,7 +185,40 @@ def _changed_size(step: int, cache: dict) -> list[float]:
     return heal_soak._strict(NODES, step, cache)
 
 
+def summary(paths: list[str]) -> None:
+    """Per way of losing the node, over the trials of these files (each trial's JSON line):
+    how many finished whole, the spread of the recovery times, the worst differences."""
+    trials: dict[str, list[dict]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("{"):
+                facts = json.loads(line)
+                trials.setdefault(facts["how"], []).append(facts)
+
+    def spread(values):
+        values = [v for v in values if v is not None]
+        return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+
+    print("| how | trials | ok (finished at 3 ranks, status 0) | loss to healed line, s "
+          "| Healer's own part, s | launcher ended after the loss, s | worst vs changed size "
+          "| worst vs reference |")
+    print("|---|---|---|---|---|---|---|---|")
+    for how, group in trials.items():
+        changed = [f["changed_size_worst"] for f in group if "changed_size_worst" in f]
+        print(f"| {how} | {len(group)} | {sum(bool(f.get('ok')) for f in group)} "
+              f"| {spread(f.get('loss_to_healed_line_s') for f in group)} "
+              f"| {spread(h['healer_s'] for f in group for h in f.get('heals', []))} "
+              f"| {spread(f.get('ended_after_loss_s') for f in group)} "
+              f"| {max(changed) if changed else '-'} ({len(changed)} compared) "
+              f"| {max(f.get('reference_worst', float('nan')) for f in group):.1e} |")
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--summary"]:
+        summary(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--how", choices=["cut", "kill", "crash"], default="cut")
     parser.add_argument("--trials", type=int, default=1)
@@ -186,11 +234,19 @@ def main(argv=None) -> int:
                         help="mpi_ft_detector_timeout (more than 3 periods)")
     parser.add_argument("--keepalive", type=int, nargs=3, metavar=("TIME", "INTVL", "PROBES"),
                         help="PRRTE's oob_tcp_keepalive_time, _intvl, _probes")
+    parser.add_argument("--tcp-retries2", type=int, metavar="N",
+                        help="net.ipv4.tcp_retries2 of n0, where the launcher runs: how long its "
+                             "kernel retransmits to a silent daemon before the launcher hears "
+                             "of it (15, about 15 minutes, by default)")
     parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="one more mpirun --mca NAME VALUE (repeatable)")
     parser.add_argument("--launcher-options", action="append", default=[], metavar="WORDS",
                         help="more words for mpirun's line, as one string "
                              "(e.g. '--runtime-options continuous'; repeatable)")
+    parser.add_argument("--launcher", default=str(Path(sys.executable).parent / "mpirun"),
+                        help="the launcher: the environment's mpirun (default), or a PRRTE's "
+                             "prterun (e.g. one built from PRRTE's master branch, which goes on "
+                             "after a lost daemon), run with --personality ompi")
     parser.add_argument("--strict", action="store_true",
                         help="also compare with the run that changed its size at that step")
     parser.add_argument("--prefix", default="mpidphc")
