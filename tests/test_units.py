@@ -321,6 +321,16 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert command.strip() in ci
 
 
+def test_setup_cfg_lists_every_package_of_mpidp():
+    # A package missing from setup.cfg is missing from a non-editable install (mpidp.doctor was).
+    listed = re.search(r"^packages =\n((?:[ \t]+\S+\n)+)", (ROOT / "setup.cfg").read_text(), re.M)
+    listed = set(listed.group(1).split())
+    found = {".".join(init.parent.relative_to(ROOT).parts)
+             for init in (ROOT / "mpidp").rglob("__init__.py")}
+    found.add("mpidp.kernels")
+    assert found <= listed, f"setup.cfg [options] packages lacks {sorted(found - listed)}"
+
+
 def test_the_store_pauses_between_polls_by_how_long_it_has_been_quiet():
     """mpidp.store.server's polls (docs/concurrency.md): never without a pause, and the limits."""
     from mpidp.store.server import _CALLER_LONGEST, _longest, _next_pause
