@@ -32,14 +32,44 @@ def _mpi_class(error: BaseException) -> int | None:
 
 
 def lost_rank(error: BaseException | None) -> bool:
-    """Whether ``error``, or an error it was raised from or during, says a rank was lost."""
-    seen = set()
+    """Whether ``error``, or an error it was raised from or during, says a rank was lost.
+
+    It does when it is a ``RankLostError`` or an MPI error of a failure class, and also when
+    it is an MPI error of another class while a member of mpidp's world is known to have
+    failed (ULFM's ``MPI_Comm_get_failed``): a call on a communicator that lost a member
+    does not always fail with a failure class. Open MPI 5.0.11's ``MPI_Barrier`` in the
+    shared-memory reduction's fence returned ``MPI_ERR_OTHER`` on the killed rank's
+    neighbour, with the failure already known (tests/test_healing.py kills a rank there).
+    """
+    seen, from_mpi = set(), False
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, RankLostError) or _mpi_class(error) in _failure_classes():
+        error_class = _mpi_class(error)
+        if isinstance(error, RankLostError) or error_class in _failure_classes():
             return True
+        from_mpi = from_mpi or error_class is not None
         error = error.__cause__ or error.__context__
-    return False
+    return from_mpi and _world_lost_a_member()
+
+
+def _world_lost_a_member() -> bool:
+    """Whether this rank knows of a failed member of ``mpidp.runtime.world()`` (ULFM only).
+
+    The world, not ``MPI_COMM_WORLD``: after a heal, the ranks already lost are no
+    longer members, so a later error is judged by new losses alone.
+    """
+    if not _failure_classes():
+        return False
+    from . import runtime  # noqa: PLC0415 (runtime imports this module; needed at call time only)
+
+    try:
+        failed = runtime.world().Get_failed()
+    except Exception:  # noqa: BLE001 (no failed group to read: nothing known lost)
+        return False
+    try:
+        return failed.Get_size() > 0
+    finally:
+        failed.Free()
 
 
 def _lost_ranks() -> str:

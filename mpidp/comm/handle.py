@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import array
 import itertools
+import os
+import signal
 import threading
 
 from mpi4py import MPI
 
 from .. import errors as _errors
 from .. import recorder as _recorder
+from .. import settings
 from .. import watchdog as _watchdog
 
 __all__ = ["Handle"]
@@ -37,6 +40,42 @@ def _driving() -> bool:
     return _driver_ident is not None and threading.get_ident() == _driver_ident
 
 
+def _kill_points() -> dict:
+    """``MPIDP_TEST_KILL``'s points, ``{(launch rank, label text): N}`` (tests/test_healing.py)."""
+    given = settings.get("MPIDP_TEST_KILL")
+    points = {}
+    for item in given.split(",") if given else ():
+        rank, _, rest = item.partition(":")
+        count, _, text = rest.partition(":")
+        if not (rank.strip().isdigit() and count.strip().isdigit() and int(count) > 0):
+            raise ValueError(f"MPIDP_TEST_KILL must be RANK:N[:TEXT][,RANK:N[:TEXT]...] with "
+                             f"N >= 1, got {given!r}")
+        points[int(rank), text] = int(count)
+    return points
+
+
+# A test's kill points: this rank counts the collectives it starts whose label holds a
+# point's text; at the point's count it starts that one and ends itself, so that its peers
+# lose it inside that very call.
+_KILLS = _kill_points()
+_counted: dict[str, int] = {}
+
+
+def _kill_point(label, start=None) -> None:
+    """Count a collective; at an ``MPIDP_TEST_KILL`` point, ``start()`` it and end with SIGKILL."""
+    rank, text = MPI.COMM_WORLD.Get_rank(), _watchdog._label_text(label)
+    for (who, part), count in _KILLS.items():
+        if who != rank or part not in text:
+            continue
+        _counted[part] = _counted.get(part, 0) + 1
+        if _counted[part] == count:
+            if start is not None:
+                start()
+            os.write(2, f"rank {rank}: SIGKILL inside its collective {count} of "
+                        f"{part or 'any kind'!r} ({text})\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def issue(comm: MPI.Intracomm, name: str, args, label=None) -> MPI.Request:
     """Start MPI's nonblocking ``I<name>`` on ``comm``: the one place a collective starts.
 
@@ -46,9 +85,12 @@ def issue(comm: MPI.Intracomm, name: str, args, label=None) -> MPI.Request:
     after ``label`` (what the call is, as the stall watchdog names it).
     """
     try:
-        return getattr(comm, "I" + name.lower())(*args)
+        request = getattr(comm, "I" + name.lower())(*args)
     except MPI.Exception as error:
         raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
+    if _KILLS:
+        _kill_point(label)
+    return request
 
 
 def wait_request(request: MPI.Request, label=None, waiting: bool = False) -> None:
@@ -110,6 +152,8 @@ def collective(comm: MPI.Intracomm, name: str, args, label):
         raise RuntimeError(f"{_watchdog._label_text(label)}: a pickled collective cannot run on "
                            f"the progress thread, which must never block (docs/concurrency.md, rule 3)")
     ticket = _recorder.started(comm, name, -1, None, (), label if isinstance(label, str) else None)
+    if _KILLS:
+        _kill_point(label)
     slot = _watchdog.begin(label)
     try:
         if name in _OBJECT_FORMS:
@@ -212,6 +256,8 @@ def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocki
     ticket = _record(comm, name, label, scope, nonblocking)
     if nonblocking:
         return Handle(issue(comm, name, args, label), keep, result, finish, label, scope, ticket)
+    if _KILLS:
+        _kill_point(label, lambda: getattr(comm, "I" + name.lower())(*args))
     try:
         if _driving():  # never block on that thread: the I-form, driven
             _drive(getattr(comm, "I" + name.lower())(*args))
