@@ -92,11 +92,11 @@ _DECLARED = (
             "collectives each rank's flight recorder keeps, the latest (0: off)"),
     Setting("MPIDP_TRACE_SIGNALS", "text", None, "import",
             "signals that write every thread's stack and the flight record; unset: SIGTERM; none: off"),
+    Setting("MPIDP_TEST_KILL", "text", None, "import",
+            "testing: RANK:N[:TEXT],...: launch rank RANK starts its N-th collective (labelled TEXT) and ends itself"),
     Setting("MPIDP_TIMEOUT", "number", 600.0, "import",
             "seconds an mpidp call may wait before the stall watchdog reports it (0: off)"),
     Setting("MPIDP_TIMEOUT_ACTION", "choice", "abort", "import",
-    Setting("MPIDP_TEST_KILL", "text", None, "import",
-            "testing: RANK:N[:TEXT],...: launch rank RANK starts its N-th collective (labelled TEXT) and ends itself"),
             "what a stall does: abort or report", choices=("abort", "report")),
 )
 
