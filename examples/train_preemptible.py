@@ -9,12 +9,16 @@ heal and go on at one rank fewer (docs/checkpoint.md#lost-ranks).
         --global-batch 24   # goes on from that step at 3 ranks, same global batches
 
 Rank 0 prints ``step S loss L`` for every step, L the loss of the whole global
-batch in Python's ``repr``, so two runs can be compared line by line. The
+batch in Python's ``repr``, so two runs can be compared line by line. With
+``--reproducible`` the strings are the same at any rank count that divides
+``--micro-batches`` (docs/reproducible.md): before and after a resume at another
+size, or a heal. The
 model and the data are small and synthetic; ``--pace`` slows each step down
 so that there is time to send a signal by hand.
 """
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -32,12 +36,17 @@ def main() -> None:
                         help="samples per step over all ranks (a multiple of the rank count)")
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--zero", action="store_true", help="mpidp.ZeroRedundancyOptimizer")
+    parser.add_argument("--zero-stage", type=int, default=1, choices=(1, 2))
     parser.add_argument("--float64", action="store_true")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep in each step")
     parser.add_argument("--save-every", type=int, default=None)
     parser.add_argument("--deadline", type=float, default=20.0)
     parser.add_argument("--out", help="rank 0 writes the final parameters here")
+    parser.add_argument("--reproducible", action="store_true",
+                        help="the same bits at any rank count (micro-batches summed in order)")
+    parser.add_argument("--micro-batches", type=int, default=12,
+                        help="with --reproducible: micro-batches per global batch")
     args = parser.parse_args()
     world = mpidp.size()
     if args.global_batch % world:
@@ -49,8 +58,15 @@ def main() -> None:
     targets = (inputs @ torch.randn(16, 1, generator=data, dtype=dtype)).tanh()
     dataset = TensorDataset(inputs, targets)
     # mpidp: each rank takes its share of every global batch, in the same global order
-    sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=7, drop_last=True)
-    batch_size = args.global_batch // world
+    if args.reproducible:  # mpidp: whole micro-batches, the same ones at any rank count
+        micro_size = args.global_batch // args.micro_batches
+        sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=7, drop_last=True,
+                                           micro_batches=args.micro_batches,
+                                           micro_batch_size=micro_size)
+        batch_size = sampler.batch_size
+    else:
+        sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=7, drop_last=True)
+        batch_size = args.global_batch // world
     # its own generator: iter(loader) draws no number from torch's global one
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
@@ -58,9 +74,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(args.dropout),
                           nn.Linear(32, 1)).to(dtype)
-    ddp = mpidp.DistributedDataParallel(model)  # mpidp: averages gradients over the ranks
+    # mpidp: averages gradients over the ranks
+    ddp = mpidp.DistributedDataParallel(model, reproducible=args.reproducible)
     if args.zero:  # mpidp: each rank keeps a shard of the optimizer state
-        optimizer = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        optimizer = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01,
+                                                  stage=args.zero_stage)
     else:
         optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
@@ -80,14 +98,17 @@ def main() -> None:
     for x, y in healer.batches(loader, steps=args.steps):  # mpidp: re-split after a lost rank
         with healer.guard():  # mpidp: a rank lost in this step: heal, then run it again
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
+            if args.reproducible:  # mpidp: one backward per micro-batch, the last one synced
+                losses = micro_batch_steps(ddp, x.split(micro_size), y.split(micro_size))
+            else:
+                losses = micro_batch_steps(ddp, [x], [y])
             optimizer.step()
             scheduler.step()
             if args.pace:
                 time.sleep(args.pace)
-            # the loss of the whole global batch, for the printout only
-            global_loss = mpidp.average(loss.detach())
+            # the loss of the whole global batch, for the printout only (mpidp: in
+            # micro-batch order over the ranks)
+            global_loss = mpidp.average(losses)
             if mpidp.rank() == 0:
                 print(f"step {checkpointer.steps + 1} loss {global_loss!r}", flush=True)
             checkpointer.step()  # mpidp: stops here, on every rank, if a signal came
@@ -95,6 +116,18 @@ def main() -> None:
     if args.out and mpidp.rank() == 0:
         torch.save(model.state_dict(), args.out)
     checkpointer.close()
+
+
+def micro_batch_steps(ddp, inputs, targets) -> list[float]:
+    """Forward and backward each micro-batch; gradients are reduced at the last one."""
+    losses = []
+    for k, (x, y) in enumerate(zip(inputs, targets)):
+        last = k == len(inputs) - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():  # mpidp: reduce at the last
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+        losses.append(loss.item())
+    return losses
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from .comm.handle import collective
 from .comm import agreement as _agreement
 from . import comm as _comm
 
-__all__ = ["broadcast_object", "allgather_object", "average"]
+__all__ = ["broadcast_object", "allgather_object", "gather_object", "average"]
 
 
 def _dumps(obj) -> tuple[bytes | None, str | None]:
@@ -129,6 +129,55 @@ def allgather_object(obj, *, comm=None) -> list:
     return results
 
 
+def gather_object(obj, root: int = 0, *, comm=None) -> list | None:
+    """Return every rank's ``obj``, in rank order, on rank ``root`` (collective).
+
+    Only ``root`` receives the objects (``allgather_object`` gives them to every
+    rank): for large objects that one rank writes out, such as each rank's profile.
+
+    Args:
+        obj: this rank's object (any picklable object; sizes may differ by rank).
+        root: the rank that receives.
+        comm: None, an ``mpidp.comm.Pool`` or an mpi4py communicator.
+
+    Returns:
+        On ``root``, a list with one entry per rank (its own ``obj`` itself,
+        unpickled copies of the others'); None elsewhere.
+
+    Raises:
+        pickle.PicklingError: on every rank, if a rank's object cannot be pickled.
+        pickle.UnpicklingError: on every rank, if ``root`` cannot unpickle one.
+    """
+    _comm._check_root(root, _comm._base(comm))
+    mpi = _start(comm, "gather_object", root=root)
+    data, error = _dumps(obj)
+    headers = collective(mpi, "allgather", ((None if data is None else len(data), error),),
+                         "gather_object (the sizes)")
+    errors = [error for _, error in headers]
+    if any(error is not None for error in errors):
+        raise pickle.PicklingError(f"gather_object: an object cannot be pickled on "
+                                   f"{_agreement.by_rank(errors)}")
+    rank = mpi.Get_rank()
+    counts = [nbytes for nbytes, _ in headers]
+    offsets = [0, *itertools.accumulate(counts)]
+    buffer = bytearray(offsets[-1] if rank == root else 0)
+    collective(mpi, "Gatherv",
+               ([data, len(data), MPI.BYTE], [buffer, (counts, offsets[:-1]), MPI.BYTE], root),
+               "gather_object")
+    results, error = None, None
+    if rank == root:
+        view, results = memoryview(buffer), []
+        for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
+            result, failure = (obj, None) if peer == rank else _loads(view[start:end])
+            results.append(result)
+            if failure is not None and error is None:
+                error = f"rank {peer}'s object: {failure}"
+    _agreement.raise_together(mpi, error, pickle.UnpicklingError,
+                              "gather_object: an object cannot be unpickled on",
+                              "gather_object (the root unpickled them?)")
+    return results
+
+
 def _number(value):
     """``value`` as a float, or a message saying why it is not a number."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
@@ -139,7 +188,12 @@ def _number(value):
 
 
 def _numbers(value) -> tuple[object, str | None]:
-    """(float or dict of floats, None) or (None, what is wrong with ``value``)."""
+    """(float, dict or list of floats, None) or (None, what is wrong with ``value``)."""
+    if isinstance(value, (list, tuple)):
+        found = [_number(item) for item in value]
+        wrong = [f"item {k} is a {kind}, not a number" for k, (_, kind) in enumerate(found)
+                 if kind is not None]
+        return (None, wrong[0]) if wrong else ([number for number, _ in found], None)
     if isinstance(value, dict):
         numbers_of = {}
         for key, item in value.items():
@@ -160,9 +214,16 @@ def average(value, *, comm=None):
     The sum runs in rank order in float64 on every rank, so every rank gets the
     same result, bit for bit.
 
+    A list (or tuple) of numbers on every rank averages all the numbers of all
+    the ranks: they are added in rank order, each rank's in its list's order,
+    and divided by how many there are. With each rank's per-micro-batch losses
+    of ``DistributedDataParallel(reproducible=True)`` that is the micro-batch
+    order, so the result is the same, bit for bit, at any number of ranks.
+
     Args:
         value: a real number (a Python or numpy number, or a one-element tensor),
-            or a dict of them; a dict must have the same keys on every rank (in any order).
+            a dict of them, which must have the same keys on every rank (in any
+            order), or a list of them (of any length on each rank).
         comm: None, an ``mpidp.comm.Pool`` or an mpi4py communicator.
 
     Returns:
@@ -170,7 +231,7 @@ def average(value, *, comm=None):
 
     Raises:
         TypeError: on every rank, if a rank's value is not a number or a dict of numbers,
-            or ranks mix numbers and dicts.
+            or ranks mix numbers, dicts and lists.
         ValueError: on every rank, if the dicts' keys differ across ranks.
     """
     mpi = _start(comm, "average")
@@ -180,11 +241,16 @@ def average(value, *, comm=None):
     if any(error is not None for error in errors):
         raise TypeError(f"average: {_agreement.by_rank(errors)}")
     values = [local for local, _ in gathered]
-    kinds = ["dict" if isinstance(v, dict) else "number" for v in values]
+    kinds = [type(v).__name__.replace("float", "number") for v in values]
     if kinds.count(kinds[0]) != len(kinds):
         raise TypeError(f"average: ranks mix numbers and dicts: {_agreement.by_rank(kinds)}")
     if kinds[0] == "number":
         return sum(values) / len(values)  # builtin sum: left to right, in rank order
+    if kinds[0] == "list":
+        every = [number for numbers_of in values for number in numbers_of]
+        if not every:
+            raise ValueError("average: every rank's list is empty; there is nothing to average")
+        return sum(every) / len(every)
     keys = [sorted(map(repr, v)) for v in values]
     if keys.count(keys[0]) != len(keys):
         described = [f"keys {', '.join(k)}" for k in keys]

@@ -43,6 +43,9 @@ class CommHookMixin:
         problem = None
         if self._comm_hook is not None:
             problem = "register_comm_hook can only be called once (as in torch)"
+        elif self._options["reproducible"]:
+            problem = ("a comm hook cannot reduce the buckets of a DistributedDataParallel"
+                       "(reproducible=True), which sums them in micro-batch order")
         elif self._sink is not None:
             problem = ("a comm hook cannot reduce the buckets of a stage-2 "
                        "ZeroRedundancyOptimizer, which reduce-scatters them")

@@ -36,6 +36,7 @@ from .options import base_comm as _base_comm  # mpidp.zero imports it from here
 from .join import JoinConfig, JoinMixin
 from . import stragglers as _stragglers
 from .reducer import Reducer
+from .reproducible import ReproducibleReducer
 from .replica import broadcast_coalesced, check_replicas, first_mismatch  # noqa: F401 (re-exported)
 from .sharded import ShardedReducer
 
@@ -130,6 +131,14 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             (``mpidp.watchdog``); 0 never reports them; None (default): the
             process-wide timeout, ``MPIDP_TIMEOUT`` (600 s) or
             ``mpidp.watchdog.set_timeout()``. Other collectives keep that one.
+        reproducible: the same gradients, bit for bit, at any number of ranks
+            (``mpidp.ddp.reproducible``): each rank runs its whole micro-batches
+            of the global batch (``mpidp.DistributedSampler(micro_batches=,
+            micro_batch_size=)``), the first ones under ``no_sync()``; each
+            micro-batch's gradient is kept apart, and the synced backward adds
+            all of them in micro-batch order and divides by their number. Not
+            with ``gradient_as_bucket_view``, ``static_graph``, sparse
+            gradients, a comm hook or ``join()`` (docs/reproducible.md).
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -145,7 +154,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                  first_bucket_mb: float | None = None, predict_gradient_order: bool = True,
                  overlap: str = "auto", chunk_mb: float | None = None,
                  inplace_threshold_mb: float | str | None = "auto", timeout: float | None = None,
-                 shared_memory: bool | None = None):
+                 shared_memory: bool | None = None, reproducible: bool = False):
         super().__init__()
         # its forward's bookkeeping calls MPI and keeps Python state: never traced
         runtime.keep_out_of_torch_compile(DistributedDataParallel,
@@ -169,7 +178,8 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                 gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
                 init_sync=init_sync, check_reduction=check_reduction,
                 skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-                batched_grad_copy=batched_grad_copy, predict_gradient_order=predict_gradient_order)
+                batched_grad_copy=batched_grad_copy, predict_gradient_order=predict_gradient_order,
+                reproducible=reproducible)
             _ddp_options.check_flags(optional=True, broadcast_buffers=broadcast_buffers,
                                      shared_memory=shared_memory,
                                      forward_sync_buffers=forward_sync_buffers)
@@ -182,6 +192,10 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             if not named:
                 raise ValueError("module has no parameter that requires grad; "
                                  "DistributedDataParallel has nothing to synchronise")
+            if reproducible:
+                _ddp_options.check_reproducible(
+                    gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                    sparse=[n for n, _ in named if n in _ddp_options.sparse_names(module)])
             device = _ddp_options.module_device(module, device_ids, output_device)
             if forward_sync_buffers is not None:
                 sync_buffers, init_buffers = forward_sync_buffers, True
@@ -201,7 +215,8 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                              predict_gradient_order=predict_gradient_order, overlap=overlap,
                              chunk_mb=_chunking.CHUNK_MB if chunk_mb is None else chunk_mb,
                              inplace_threshold_mb=inplace_threshold_mb,
-                             shared_memory=shared_memory, stragglers=stragglers)
+                             shared_memory=shared_memory, stragglers=stragglers,
+                             reproducible=reproducible)
         self.module = module
         self.device_ids = [device] if device_ids else None
         self.output_device = self.device_ids and device
@@ -285,6 +300,8 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         device = named[0][1].device
         shared = getattr(self, "_node", None) if sink is None and device.type == "cpu" else None
         kind = Reducer if sink is None else functools.partial(ShardedReducer, sink=sink)
+        if self._options["reproducible"]:
+            kind = functools.partial(ReproducibleReducer, sink=sink)
         reducer = kind(named, self.pool, self.control,
                        **_ddp_options.reducer_options(self._options, overlap, shared),
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],

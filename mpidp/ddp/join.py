@@ -69,6 +69,10 @@ class JoinMixin:
             raise RuntimeError("DistributedDataParallel.join() does not support a comm hook: "
                                "a joined rank cannot run the hook's collectives in step; give "
                                "every rank the same number of batches")
+        if self._options["reproducible"]:
+            raise RuntimeError("DistributedDataParallel.join() is not supported with "
+                               "reproducible=True: every rank runs its whole micro-batches of "
+                               "every global batch (DistributedSampler(micro_batches=...))")
         if self._sink is not None:
             raise RuntimeError("DistributedDataParallel.join() cannot shadow a stage-2 "
                                "ZeroRedundancyOptimizer's step (its parameter allgather); give "

@@ -17,7 +17,7 @@ from . import overlap as _overlap
 from ..comm import shm as _shm
 from ..comm import chunking as _chunking
 
-__all__ = ["base_comm", "check_flags", "check_module", "check_overlap",
+__all__ = ["base_comm", "check_flags", "check_module", "check_overlap", "check_reproducible",
            "check_sizes", "check_supported", "module_device", "reducer_options",
            "shared_memory_node", "sparse_names"]
 
@@ -170,6 +170,19 @@ def reducer_options(options: dict, overlap: str, shared) -> dict:
                 chunk_bytes=_chunking.chunk_bytes(options["chunk_mb"]),
                 solo_bytes=None if solo is None else int(solo * _MB),
                 static_graph=options["static_graph"], stragglers=options["stragglers"])
+
+
+def check_reproducible(*, gradient_as_bucket_view: bool, static_graph: bool,
+                       sparse: list[str]) -> None:
+    """Raise ``ValueError`` for an option that ``reproducible=True`` cannot honour."""
+    for name, value in (("gradient_as_bucket_view", gradient_as_bucket_view),
+                        ("static_graph", static_graph)):
+        if value:
+            raise ValueError(f"{name} must be False with reproducible=True (each micro-batch's "
+                             f"gradient is kept apart from .grad), got {value!r}")
+    if sparse:
+        raise ValueError(f"reproducible=True reduces dense gradients only, but {sparse} have "
+                         f"sparse gradients (nn.Embedding(sparse=True)); use sparse=False")
 
 
 def check_overlap(overlap) -> None:

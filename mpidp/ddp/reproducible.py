@@ -1,0 +1,214 @@
+"""Reproducible mode: the same gradients, bit for bit, at any number of ranks.
+
+A float sum depends on its order, and the order of an allreduce depends on the
+rank count and on the MPI library's algorithm; so does each rank's local sum
+over its share of the batch. In reproducible mode
+(``DistributedDataParallel(model, reproducible=True)``) nothing is summed in an
+order that depends on the rank count:
+
+- the global batch is cut into ``M`` fixed micro-batches, and rank ``r`` runs
+  the ``k = M / world`` micro-batches ``r*k .. r*k + k - 1`` (the sampler deals
+  them: ``mpidp.DistributedSampler(micro_batches=, micro_batch_size=)``), one
+  forward and backward each, the first ``k - 1`` under ``no_sync()``;
+- each micro-batch's gradient is kept apart, in its own row of a ``[k, n]``
+  store per bucket (``.grad`` is released after each micro-batch, so nothing
+  is accumulated in float);
+- at the synced backward each bucket's rows are exchanged by an alltoall, chunk
+  by chunk, so that each rank receives, for its block of every chunk (the
+  ``mpidp.ddp.buckets.Shards`` layout), all ``M`` micro-batches' values in
+  micro-batch order; it adds them left to right, starting from micro-batch 0,
+  and divides by ``M``: the operations one process would do, element by
+  element, whatever the rank count;
+- an allgather of the blocks leaves the average in every rank's bucket (or,
+  with a stage-2 ``ZeroRedundancyOptimizer``, each block goes to its owner's
+  gradient shard and there is no allgather).
+
+Everything else (the hooks, the in-order launch, the bookkeeping and its
+errors) is ``mpidp.ddp.reducer.Reducer``'s. The kernels of one micro-batch must
+themselves be deterministic (torch's ``use_deterministic_algorithms`` on GPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm as _comm
+from ..comm import agreement as _agreement
+from ..comm import chunking as _chunking
+from .buckets import Bucket, Shards
+from .reducer import Reducer
+from .sharded import ShardedReducer
+from .step import DONE, Step
+
+__all__ = ["ReproducibleReducer"]
+
+
+class ReproducibleReducer(Reducer):
+    """Sums each bucket's per-micro-batch gradients in micro-batch order (see the module).
+
+    Args:
+        sink: a stage-2 ``ZeroRedundancyOptimizer`` that takes each rank's
+            block of the averages (``grad_target``/``reduced``, as
+            ``mpidp.ddp.sharded.ShardedReducer``'s sink), or None: every rank
+            gets the whole average in ``.grad``.
+        Otherwise those of ``Reducer``; ``gradient_as_bucket_view``,
+        ``predict_order`` and ``solo_bytes`` are forced off (the buckets keep
+        one layout, and every gradient goes through one), and no shared memory.
+    """
+
+    def __init__(self, named_params, pool, control, *, sink=None, **options):
+        self.sink = sink
+        self._rows = 1  # micro-batches per rank the stores hold (they grow)
+        self._row = 0  # the micro-batch this rank runs next in the step
+        self._local: Step | None = None  # the step of a micro-batch inside no_sync
+        self._local_failed = False
+        self._stash: dict[int, torch.Tensor] = {}  # .grad found before a micro-batch
+        options.update(gradient_as_bucket_view=False, predict_order=False, solo_bytes=None,
+                       shared=None)
+        super().__init__(named_params, pool, control, **options)
+        self._divisor = 1  # the sum is divided by M once, after it is complete
+
+    # -- layout -----------------------------------------------------------------------
+
+    def _bucket(self, members: list[int]) -> Bucket:
+        params = [self.params[i] for i in members]
+        chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, params[0].element_size())
+        bucket = Bucket(params, shards=Shards(sum(p.numel() for p in params), self.world, chunk))
+        bucket.store = torch.zeros(self._rows, bucket.shards.padded, dtype=params[0].dtype,
+                                   device=params[0].device)
+        return bucket
+
+    def set_divisor(self, divisor: int) -> None:
+        raise RuntimeError("DistributedDataParallel(reproducible=True) divides by the number "
+                           "of micro-batches; join() is not supported")
+
+    # -- a micro-batch's forward ------------------------------------------------------
+
+    def prepare(self, outputs, sync: bool) -> None:
+        """Arm the capture of one micro-batch's gradients; the synced one ends the step.
+
+        The synced forward first agrees across ranks (one small allreduce) that
+        every rank ran the same number of micro-batches and none failed, or
+        raises the same ``ValueError`` on every rank.
+        """
+        self.settle()
+        if sync:
+            self._check_step()
+        super().prepare(outputs, True)
+        step = self._step
+        self._local = None if sync else step
+        if not sync:
+            step.counted = True  # a step number only for the synced backward
+        self._stash_grads()
+        if self._row >= self._rows:
+            self._grow(self._row + 1)
+        for bucket in self.buckets:
+            bucket.bind(bucket.store[self._row])
+
+    def _check_step(self) -> None:
+        failed, self._local_failed = self._local_failed, False
+        rows = self._row + 1
+        try:
+            _agreement.agree_facts(
+                self.control, [rows], failed,
+                lambda: f"ran {rows} micro-batch(es)" + (", one of whose backward raised"
+                                                          if failed else ""),
+                "DistributedDataParallel(reproducible=True): every rank must run the same "
+                "number of micro-batches per step (the first ones under no_sync(), the last "
+                "one outside it), and none may fail; this step:",
+                "DDP(reproducible=True): the micro-batches of the step")
+        except ValueError:
+            self._row = 0
+            self._stash.clear()
+            raise
+
+    def _stash_grads(self) -> None:
+        # A gradient left from before (no zero_grad) is added back after the reduction,
+        # as torch accumulates; the micro-batch's own gradient starts from None.
+        for index, param in enumerate(self.params):
+            if param.grad is not None:
+                if index in self._stash:
+                    self._stash[index] = self._stash[index] + param.grad
+                else:
+                    self._stash[index] = param.grad
+                param.grad = None
+
+    def _grow(self, rows: int) -> None:
+        self._rows = rows
+        for bucket in self.buckets:
+            store = bucket.store.new_zeros(rows, bucket.store.shape[1])
+            store[:bucket.store.shape[0]].copy_(bucket.store)
+            bucket.store = store
+
+    # -- hooks and the end of a micro-batch -------------------------------------------
+
+    def _mark_ready(self, step: Step, index: int, arrived: bool = False,
+                    zero: bool = False) -> None:
+        super()._mark_ready(step, index, arrived, zero)
+        if arrived and step is self._local:
+            self.params[index].grad = None  # kept in its row: the next micro-batch starts at None
+
+    def _launch_ready(self, step: Step) -> None:
+        if step is not self._local:
+            super()._launch_ready(step)
+
+    def _finish(self, step: Step, failed: bool, joined: bool = False) -> None:
+        if step is not self._local:
+            try:
+                super()._finish(step, failed, joined)
+            finally:
+                self._row = 0
+            return
+        step.state = DONE
+        self._local = None
+        for index in range(len(self.params)):
+            if not step.ready[index]:
+                self._mark_ready(step, index, zero=failed)
+        self._local_failed |= failed
+        self._row += 1
+
+    # -- the synced step's reduction --------------------------------------------------
+
+    def _launch(self, bucket: Bucket) -> None:
+        with self._fatal_on_error():
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, bucket: Bucket) -> None:
+        """Sum the bucket's micro-batches in order, each rank for its block of every chunk."""
+        rows, world, rank = self._row + 1, self.world, self.control.Get_rank()
+        count = rows * world
+        store = bucket.store[:rows]
+        target = self.sink.grad_target(self._position[id(bucket)]) if self.sink else None
+        pool = self.strategy.pool
+        for (start, stop), (low, high, position) in zip(bucket.shards.chunks,
+                                                        bucket.shards.blocks(rank)):
+            block = (stop - start) // world
+            # [rows, world * block] -> [world, rows, block]: block s of each row goes to rank s
+            outgoing = store[:, start:stop].reshape(rows, world, block).transpose(0, 1)
+            if rows > 1 or not outgoing.is_contiguous():
+                outgoing = outgoing.contiguous()
+            incoming = torch.empty(count, block, dtype=store.dtype, device=store.device)
+            _comm.alltoall(incoming, outgoing, comm=pool)
+            result = bucket.buffer[low:high] if target is None else target[position:position + block]
+            result.copy_(incoming[0])
+            for row in incoming[1:]:  # left to right, as one process adds them
+                result.add_(row)
+            result.div_(count)
+            if target is None:
+                _comm.allgather(bucket.buffer[start:stop], result, comm=pool)
+
+    def _copy_back(self, counts: list[int]) -> None:
+        if self.sink is not None:
+            ShardedReducer._copy_back(self, counts)
+        else:
+            for bucket in self.buckets:
+                bucket.buffer = bucket.buffer[:bucket.shards.numel]  # without the padding
+            super()._copy_back(counts)
+        stash, self._stash = self._stash, {}
+        for index, earlier in stash.items():
+            param = self.params[index]
+            if param.grad is None:
+                param.grad = earlier
+            else:
+                param.grad.add_(earlier)  # onto the average, as torch accumulates
+
