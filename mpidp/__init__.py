@@ -15,6 +15,15 @@ none of this and never touches MPI; calling anything that needs MPI there
 raises ``RuntimeError``.
 """
 
+import sys
+
+# settings before anything reads one: ``python -m mpidp doctor`` imports this package (with
+# sys.argv[0] "-m" meanwhile) before the doctor runs, and the doctor must live to report a bad
+# value (settings.problems) rather than die of it at start-up; any other import raises.
+from . import settings  # isort: skip
+if sys.argv[:2] == ["-m", "doctor"]:
+    settings.tolerate_bad_values()
+
 # runtime first: it decides, before anything imports mpi4py.MPI, whether that
 # import may initialise MPI (not in a multiprocessing child).
 from . import runtime  # isort: skip

@@ -1,8 +1,10 @@
 """Every ``MPIDP_*`` environment variable, declared once and read here.
 
 Each variable is a ``Setting``: its name, its kind, its default, when mpidp
-reads it and one line saying what it does. ``get(name)`` is the one way mpidp
-reads a value; docs/environment.md's table is checked against ``SETTINGS`` by
+reads it and one line saying what it does. Its kind names its one parser here;
+``get(name)`` is the one way mpidp reads a value, and ``problems()`` (the
+doctor's) checks every ``MPIDP_*`` variable set with the same parsers.
+docs/environment.md's table is checked against ``SETTINGS`` by
 tests/test_docs.py. The readers for other programs' variables (``HOROVOD_*``,
 ``MASTER_ADDR``) follow the same spelling rules and refuse ``MPIDP_`` names.
 
@@ -14,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import signal
 
-__all__ = ["Setting", "SETTINGS", "get", "given", "flag", "number", "choice", "text",
-           "problems", "values"]
+__all__ = ["Setting", "SETTINGS", "OTHERS", "get", "given", "flag", "number", "choice", "text",
+           "problems", "values", "tolerate_bad_values"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -28,7 +31,7 @@ class Setting:
 
     Attributes:
         name: the variable.
-        kind: "flag", "number", "integer", "choice" or "text".
+        kind: "flag", "number", "integer", "choice", "text", "signals" or "kills" (its parser).
         default: the value when it is unset or blank.
         read: when mpidp reads it ("import": once, at ``import mpidp``; "use": at each use).
         doc: what it does, one line.
@@ -90,9 +93,9 @@ _DECLARED = (
             "where each rank writes its flight record and stacks; unset: ./mpidp-trace-<job id>"),
     Setting("MPIDP_TRACE_ENTRIES", "integer", 2048, "import",
             "collectives each rank's flight recorder keeps, the latest (0: off)"),
-    Setting("MPIDP_TRACE_SIGNALS", "text", None, "import",
+    Setting("MPIDP_TRACE_SIGNALS", "signals", None, "import",
             "signals that write every thread's stack and the flight record; unset: SIGTERM; none: off"),
-    Setting("MPIDP_TEST_KILL", "text", None, "import",
+    Setting("MPIDP_TEST_KILL", "kills", None, "import",
             "testing: RANK:N[:TEXT],...: launch rank RANK starts its N-th collective (labelled TEXT) and ends itself"),
     Setting("MPIDP_TIMEOUT", "number", 600.0, "import",
             "seconds an mpidp call may wait before the stall watchdog reports it (0: off)"),
@@ -102,15 +105,42 @@ _DECLARED = (
 
 SETTINGS: dict[str, Setting] = {setting.name: setting for setting in _DECLARED}
 
+# Read by the tests and the job scripts, never by mpidp (docs/environment.md's second table):
+# the doctor knows them, so they are not reported as unknown.
+OTHERS = ("MPIDP_DRY_RUN", "MPIDP_TEST_GPU", "MPIDP_TEST_OPENMPI", "MPIDP_TEST_PRRTE")
+
+_tolerant = False  # tolerate_bad_values() was called
+
+
+def tolerate_bad_values() -> None:
+    """From now on ``get`` returns a bad value's default instead of raising.
+
+    For ``python -m mpidp doctor`` alone: Python imports mpidp, whose start-up
+    reads settings, before the doctor runs, and the doctor must live to report
+    the bad value (``problems()``) rather than die of it.
+    """
+    global _tolerant
+    _tolerant = True
+
 
 def get(name: str):
     """The value of the declared variable ``name``, read from the environment now.
 
     Raises:
         KeyError: ``name`` is not declared in ``SETTINGS``.
-        ValueError: naming the variable, the rule and the value.
+        ValueError: naming the variable, the rule and the value (never after
+            ``tolerate_bad_values()``: the default then).
     """
-    setting = SETTINGS[name]
+    try:
+        return _parse(SETTINGS[name])
+    except ValueError:
+        if not _tolerant:
+            raise
+        return SETTINGS[name].default
+
+
+def _parse(setting: Setting):
+    name = setting.name
     if setting.kind == "flag":
         return _flag(name, setting.default)
     if setting.kind in ("number", "integer"):
@@ -118,28 +148,32 @@ def get(name: str):
                        integer=setting.kind == "integer")
     if setting.kind == "choice":
         return _choice(name, setting.choices, setting.default)
+    if setting.kind == "signals":
+        return _signals(name, setting.default)
+    if setting.kind == "kills":
+        return _kills(name, setting.default)
     return _text(name)
 
 
 def problems() -> list[str]:
     """What is wrong with the ``MPIDP_*`` variables set now, one line each (``python -m mpidp doctor``).
 
-    A declared variable whose value breaks its rule (``get``'s error), and an
-    undeclared one whose name is a near miss of a declared one (a typo that
-    would otherwise be ignored). Other undeclared names belong to tests and
-    scripts (docs/environment.md) and pass.
+    A declared variable whose value breaks its rule (its parser's error, the
+    one ``get`` raises), and every undeclared name, which mpidp would ignore
+    (with the declared name it is a near miss of, if any). The names of
+    ``OTHERS`` pass.
     """
     found = []
     for name in sorted(n for n in os.environ if n.startswith("MPIDP_")):
-        if name not in SETTINGS:
+        if name in SETTINGS:
+            try:
+                _parse(SETTINGS[name])
+            except ValueError as error:
+                found.append(str(error))
+        elif name not in OTHERS:
             close = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85)
-            if close:
-                found.append(f"{name} is no mpidp setting: did you mean {close[0]}?")
-            continue
-        try:
-            get(name)
-        except ValueError as error:
-            found.append(str(error))
+            found.append(f"{name} is no mpidp setting: " +
+                         (f"did you mean {close[0]}?" if close else "mpidp ignores it"))
     return found
 
 
@@ -216,6 +250,42 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if value.lower() not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)} (any case), got {value!r}")
     return value.lower()
+
+
+def _signals(name: str, default):
+    """Names of signals that can be caught, comma-separated ("SIGTERM,USR1", any case), as
+    signal numbers; ``none`` is no signal; unset or empty is ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() == "none":
+        return ()
+    numbers = []
+    for part in (part.strip().upper() for part in value.split(",") if part.strip()):
+        full = part if part.startswith("SIG") else "SIG" + part
+        found = getattr(signal.Signals, full, None) if full.isidentifier() else None
+        if found is None or found in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{name} must name signals that can be caught "
+                             f"(\"SIGTERM,SIGUSR1\") or be none, got {value!r}")
+        numbers.append(int(found))
+    return tuple(dict.fromkeys(numbers))
+
+
+def _kills(name: str, default):
+    """Test kill points ``RANK:N[:TEXT]``, comma-separated, N >= 1, as ``{(RANK, TEXT): N}``;
+    unset or empty is ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    points = {}
+    for item in value.split(","):
+        rank, _, rest = item.partition(":")
+        count, _, text = rest.partition(":")
+        if not (rank.strip().isdigit() and count.strip().isdigit() and int(count) > 0):
+            raise ValueError(f"{name} must be RANK:N[:TEXT][,RANK:N[:TEXT]...] with N >= 1, "
+                             f"got {value!r}")
+        points[int(rank), text] = int(count)
+    return points
 
 
 def _text(name: str) -> str | None:

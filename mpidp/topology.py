@@ -1,8 +1,9 @@
 """Where each rank runs: bound cores, NUMA nodes, threads, GPU; and binding warnings.
 
-Slow CPU data parallelism usually comes from binding: ranks on one node that
-share cores, a rank whose cores span NUMA domains, or more torch threads than
-bound cores. ``topology()`` describes this rank, ``gather()`` every rank, and
+Slow CPU data parallelism usually comes from binding: more ranks on a node than
+cores, ranks bound to cores that overlap, ranks left unbound on a node of
+several NUMA domains, a rank whose cores span NUMA domains, or more torch
+threads than bound cores. ``topology()`` describes this rank, ``gather()`` every rank, and
 ``binding_warnings()`` turns a gathered list into plain-language warnings.
 
 At import (in the launched process only), every rank tells the other ranks of
@@ -31,7 +32,7 @@ from . import runtime, settings
 from . import watchdog as _watchdog
 
 __all__ = ["RankTopology", "topology", "gather", "binding_warnings", "sharing_warnings",
-           "threads_warnings", "warn_about_binding", "table",
+           "threads_warnings", "warn_about_binding", "table", "bind_line",
            "parse_cpulist", "default_threads", "threads_for", "threads_reason",
            "node_affinities", "detect_launcher", "bind_hint"]
 
@@ -68,6 +69,10 @@ def table(ranks: list[RankTopology]) -> str:
 
 def _cores(count: int) -> str:
     return f"{count} core{'s' if count != 1 else ''}"
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count != 1 else ''}"
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -147,6 +152,20 @@ def bind_hint(ranks: int, cores: int, numa_domains: int, launcher: str = "mpich"
     return "mpiexec -bind-to numa" if numa else f"mpiexec -bind-to core:{per}"
 
 
+def _by_host(ranks: list[RankTopology]) -> dict[str, list[RankTopology]]:
+    found: dict[str, list[RankTopology]] = {}
+    for rank in ranks:
+        found.setdefault(rank.host, []).append(rank)
+    return found
+
+
+def bind_line(ranks: list[RankTopology], launcher: str | None = None) -> str:
+    """``bind_hint`` for the node that holds the most ranks, from every rank's ``topology()``."""
+    members = max(_by_host(ranks).values(), key=len)
+    return bind_hint(len(members), len({c for r in members for c in r.cores}),
+                     len({n for r in members for n in r.numa_nodes}), launcher or detect_launcher())
+
+
 def binding_warnings(ranks: list[RankTopology], *, launcher: str | None = None) -> list[str]:
     """Plain-language warnings about a gathered list of rank topologies.
 
@@ -158,12 +177,17 @@ def binding_warnings(ranks: list[RankTopology], *, launcher: str | None = None) 
 
 
 def sharing_warnings(ranks: list[RankTopology], *, launcher: str | None = None) -> list[str]:
-    """``binding_warnings``' part on cores: ranks of a node that share cores, ranks across NUMA domains."""
+    """``binding_warnings``' part on cores: ranks of a node that share cores where that matters,
+    ranks across NUMA domains.
+
+    Sharing matters when a node holds more ranks than the cores they may run on, when ranks
+    are bound to cores that overlap, and when ranks left unbound share a node of several NUMA
+    domains. Ranks a plain ``mpiexec -n N`` left unbound on a node of one NUMA domain pass: the
+    kernel spreads them over its cores, and mpidp splits the cores' threads among them
+    (``threads_for``).
+    """
     found = []
-    by_host: dict[str, list[RankTopology]] = {}
-    for rank in ranks:
-        by_host.setdefault(rank.host, []).append(rank)
-    for host, members in by_host.items():
+    for host, members in _by_host(ranks).items():
         sharing = sorted({r.rank for a in members for b in members if a.rank != b.rank
                           and set(a.cores) & set(b.cores) for r in (a, b)})
         if sharing:
@@ -171,7 +195,9 @@ def sharing_warnings(ranks: list[RankTopology], *, launcher: str | None = None) 
             domains = {n for r in members for n in r.numa_nodes}
             if len(members) > len(cores):
                 found.append(f"ranks {sharing} on {host} share cores: {len(members)} ranks on "
-                             f"{_cores(len(cores))}; run at most {len(cores)} ranks per node")
+                             f"{_cores(len(cores))}; run at most {_ranks(len(cores))} per node")
+                continue
+            if len(domains) <= 1 and all(set(r.cores) == cores for r in members):
                 continue
             hint = bind_hint(len(members), len(cores), len(domains), launcher or detect_launcher())
             found.append(f"ranks {sharing} on {host} share cores; give each cores of its own "
@@ -247,7 +273,7 @@ def threads_reason() -> str:
     cores = os.sched_getaffinity(0)
     sharing = sum(1 for other in node_affinities() if other & cores)
     if sharing > 1:
-        return (f"a share of {len(cores)} cores that {sharing} ranks use "
+        return (f"a share of {_cores(len(cores))} that {sharing} ranks use "
                 f"({len(cores)} // {sharing}, at least 1)")
     return f"bound to {_cores(len(cores))} that no other rank uses"
 

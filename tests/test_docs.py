@@ -123,12 +123,14 @@ def _python_names(folders: list[str], *, keywords: bool) -> set[str]:
 
 
 def library_variables() -> set[str]:
-    """The variables mpidp reads: whole-string MPIDP_* names in mpidp/ and kernels/.
+    """The variables mpidp reads: whole-string MPIDP_* names in mpidp/ and kernels/, but the
+    tests' and scripts' that ``mpidp.settings.OTHERS`` names for the doctor.
 
     ``MPIDP_INSTANTIATE`` and ``MPIDP_UNROLL`` are C macros of kernels/pack.cu (inside f-strings or
     .cu files), never whole strings, so they are not counted.
     """
-    return _python_names(["mpidp", "kernels"], keywords=False)
+    from mpidp import settings
+    return _python_names(["mpidp", "kernels"], keywords=False) - set(settings.OTHERS)
 
 
 def tool_variables() -> set[str]:
@@ -205,6 +207,8 @@ def test_environment_table_defaults_follow_the_declarations():
 def test_environment_table_lists_the_variables_of_tests_and_scripts():
     code, table = tool_variables(), documented(TOOLS_TABLE)
     assert code == table, f"missing: {sorted(code - table)}; never read: {sorted(table - code)}"
+    from mpidp import settings  # the doctor knows them: not reported as unknown names
+    assert set(settings.OTHERS) == table, f"mpidp.settings.OTHERS: {sorted(settings.OTHERS)}"
 
 
 def _readme_test_command() -> str:

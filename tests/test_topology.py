@@ -44,6 +44,22 @@ def test_the_binding_advice_fits_the_machine_and_the_launcher():
     unbound = [rank(r, [0, 1]) for r in range(3)]
     assert binding_warnings(unbound)[0] == ("ranks [0, 1, 2] on n1 share cores: 3 ranks on 2 cores; "
                                             "run at most 2 ranks per node")
+    pinned = [rank(r, [0]) for r in range(2)]
+    assert binding_warnings(pinned)[0] == ("ranks [0, 1] on n1 share cores: 2 ranks on 1 core; "
+                                           "run at most 1 rank per node")
+    assert topology.bind_line(pinned, "mpich") == "mpiexec -bind-to core:1"
+
+
+def test_unbound_ranks_are_warned_only_where_binding_matters():
+    """A plain mpiexec -n N leaves the ranks unbound: on one NUMA domain the kernel spreads them and
+    mpidp splits the threads (no warning); on several, their memory crosses domains."""
+    assert binding_warnings([rank(r, range(8), threads=4) for r in range(2)]) == []
+    two = binding_warnings([rank(r, range(8), numa=(0, 1), threads=4) for r in range(2)],
+                           launcher="mpich")
+    assert two[0] == ("ranks [0, 1] on n1 share cores; give each cores of its own by launching "
+                      "with 'mpiexec -bind-to numa ...' (see jobscripts/)")
+    overlapping = binding_warnings([rank(0, [0, 1, 2]), rank(1, [2, 3])], launcher="mpich")
+    assert overlapping[0].startswith("ranks [0, 1] on n1 share cores; give each cores of its own")
 
 
 def test_ranks_that_share_cores_split_them():

@@ -40,24 +40,10 @@ def _driving() -> bool:
     return _driver_ident is not None and threading.get_ident() == _driver_ident
 
 
-def _kill_points() -> dict:
-    """``MPIDP_TEST_KILL``'s points, ``{(launch rank, label text): N}`` (tests/test_healing.py)."""
-    given = settings.get("MPIDP_TEST_KILL")
-    points = {}
-    for item in given.split(",") if given else ():
-        rank, _, rest = item.partition(":")
-        count, _, text = rest.partition(":")
-        if not (rank.strip().isdigit() and count.strip().isdigit() and int(count) > 0):
-            raise ValueError(f"MPIDP_TEST_KILL must be RANK:N[:TEXT][,RANK:N[:TEXT]...] with "
-                             f"N >= 1, got {given!r}")
-        points[int(rank), text] = int(count)
-    return points
-
-
 # A test's kill points: this rank counts the collectives it starts whose label holds a
 # point's text; at the point's count it starts that one and ends itself, so that its peers
 # lose it inside that very call.
-_KILLS = _kill_points()
+_KILLS: dict = settings.get("MPIDP_TEST_KILL") or {}  # {(launch rank, label text): N}
 _counted: dict[str, int] = {}
 
 

@@ -49,7 +49,8 @@ def report(ranks: list, findings: list[Finding]) -> str:
     """The report rank 0 prints: the ranks' layout, a line per check, a fix under each problem."""
     hosts = len({rank.host for rank in ranks})
     lines = [topology.table(ranks), "",
-             f"mpidp doctor: {len(ranks)} rank(s) on {hosts} host(s), {checks.library()}"]
+             f"mpidp doctor: {len(ranks)} rank{'s' if len(ranks) > 1 else ''} on {hosts} "
+             f"host{'s' if hosts > 1 else ''}, {checks.library()}"]
     width = max(len(f.name) for f in findings)
     for finding in findings:
         lines.append(f"  {'ok  ' if finding.ok else 'FAIL'}  {finding.name:<{width}}  "
@@ -57,7 +58,8 @@ def report(ranks: list, findings: list[Finding]) -> str:
         if finding.fix:
             lines.append(f"        {'':<{width}}  fix: {finding.fix}")
     bad = [f.name for f in findings if not f.ok]
-    lines.append(f"mpidp doctor: {len(bad)} problem(s): {', '.join(bad)}" if bad else
+    lines.append(f"mpidp doctor: {len(bad)} problem{'s' if len(bad) > 1 else ''}: "
+                 f"{', '.join(bad)}" if bad else
                  "mpidp doctor: no problems found")
     return "\n".join(lines)
 

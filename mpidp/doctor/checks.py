@@ -87,9 +87,9 @@ def judge_launch(facts: list) -> Finding:
         return Finding("launch", True, f"{size} rank{'s' if size > 1 else ''}{said}")
     return Finding(
         "launch", False,
-        f"MPI sees {size} rank(s) but the launcher started {wrong[0]}: the launcher and the MPI "
-        f"library do not share a process-management interface, so every process runs as a job "
-        f"of its own",
+        f"MPI sees {size} rank{'s' if size > 1 else ''} but the launcher started {wrong[0]}: "
+        f"the launcher and the MPI library do not share a process-management interface, so "
+        f"every process runs as a job of its own",
         f"under Slurm, srun --mpi=pmi2 (MPICH, Intel MPI) or --mpi=pmix (Open MPI) as the "
         f"cluster offers (srun --mpi=list); or launch with the mpiexec of the MPI library that "
         f"mpi4py loads ({library()})")
@@ -120,12 +120,18 @@ def check_thread_level(comm, context) -> Finding:
 # -- cores and threads -----------------------------------------------------------------------------
 
 def check_binding(comm, context) -> Finding:
-    found = topology.sharing_warnings(context["ranks"], launcher=context["launcher"])
+    ranks, launcher = context["ranks"], context["launcher"]
+    found = topology.sharing_warnings(ranks, launcher=launcher)
     if not found:
-        return Finding("binding", True, "every rank has cores of its own")
+        shared = [r.rank for r in ranks if any(o.rank != r.rank and o.host == r.host and
+                                               set(o.cores) & set(r.cores) for o in ranks)]
+        return Finding("binding", True, "every rank has cores of its own" if not shared else
+                       f"ranks {shared} are unbound on one NUMA domain: they share its cores, "
+                       f"and mpidp splits the threads")
     return Finding("binding", False, "; ".join(found),
-                   "bind each rank to cores of its own with the launch line above "
-                   "(docs/cluster.md, 'Binding and threads')")
+                   f"give each rank cores of its own, launching with "
+                   f"'{topology.bind_line(ranks, launcher)} ...', and no more ranks per node than "
+                   f"it has cores (docs/cluster.md, 'Binding and threads')")
 
 
 def check_threads(comm, context) -> Finding:
@@ -136,8 +142,8 @@ def check_threads(comm, context) -> Finding:
         threads = sum(r.torch_threads for r in members)
         cores = len({c for r in members for c in r.cores})
         if threads > cores:
-            found.append(f"the {len(members)} ranks on {host} run {threads} torch threads on "
-                         f"{cores} cores")
+            found.append(f"the {len(members)} rank{'s' if len(members) > 1 else ''} on {host} "
+                         f"run {threads} torch threads on {cores} core{'s' if cores > 1 else ''}")
     if not found:
         return Finding("threads", True, "torch threads fit the cores on every node")
     return Finding("threads", False, "; ".join(found),
@@ -269,7 +275,8 @@ def judge_settings(facts: list) -> Finding:
             text.append(f"{name} differs across ranks: " +
                         by_rank([repr(v) if v is not None else "unset" for v in seen]))
     if not text:
-        return Finding("settings", True, f"{len(names)} MPIDP_* setting(s) given, valid and alike")
+        given = (f"{len(names)} MPIDP_* settings" if len(names) != 1 else "1 MPIDP_* setting")
+        return Finding("settings", True, f"{given} given, valid and alike")
     return Finding("settings", False, "; ".join(text),
                    "docs/environment.md lists each MPIDP_* variable and its rule; export the "
                    "same values to every rank (mpiexec -genv, srun --export=ALL)")
