@@ -4,8 +4,9 @@
 
 mpidp registers a torch.distributed backend named "mpidp": after
 ``mpidp.init_process_group("mpidp")`` every torch.distributed program runs over
-MPI, with no MASTER_ADDR to set and no gloo (the rendezvous store is torch's
-TCPStore, which rank 0 starts and MPI announces). Here it is torch's own FSDP2:
+MPI, with no MASTER_ADDR to set and no gloo (the rendezvous store is mpidp's
+own, served over MPI by rank 0: no port; ``MPIDP_STORE=tcp`` picks torch's
+TCPStore instead). Here it is torch's own FSDP2:
 each rank holds a shard of every parameter, all-gathers a layer's weights just
 before using them and reduce-scatters the gradients.
 
