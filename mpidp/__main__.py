@@ -62,7 +62,8 @@ def rendezvous_status() -> str:
              "process-local store" if kind == "local" else
              f"TCP store on {where[0]}:{where[1]} ({where[2]})" if where else
              "TCP store started at the first rendezvous")
-    return f"{rendezvous.default_backend()} by default (mpidp.init_process_group()); {store}"
+    backend, why = rendezvous.backend_for(*mpidp.cuda.placements())
+    return f"{backend} by default (mpidp.init_process_group(): {why}); {store}"
 
 
 def run(target: list[str], module: bool) -> int:

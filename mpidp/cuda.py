@@ -17,16 +17,20 @@ The decision is made once, at import, and is the same on every rank:
 ``MPIDP_STAGE_CPU=1`` sends CPU tensors through the staging path too; the test
 suite uses it to exercise staging where no GPU exists.
 
-The start-up (pinning the local rank's GPU, the decision) runs when mpidp is
-imported in the launched process, never in a multiprocessing child.
+The start-up (pinning the local rank's GPU, the decision, every rank's GPU for
+the default backend: ``placements``) runs when mpidp is imported in the launched
+process, never in a multiprocessing child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import os
+import socket
+import threading
 
 import torch
 from mpi4py import MPI
@@ -34,8 +38,8 @@ from mpi4py import MPI
 from . import runtime, settings
 from . import watchdog as _watchdog
 
-__all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "library_reports_cuda", "local_device",
-           "takes_device_memory"]
+__all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "device_index", "gpu_identity",
+           "carried", "forced", "library_reports_cuda", "local_device", "paths", "placements", "takes_device_memory"]
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 
@@ -115,9 +119,58 @@ def _decide(override, has_gpu, reported, probe) -> Decision:
                            "a wrong answer; host staging")
 
 
+def device_index(local_rank: int, visible: int) -> int:
+    """Which of the ``visible`` GPUs a rank uses: its local rank's, modulo their number.
+
+    Where each rank sees one GPU of its own (``srun --gpus-per-task=1``) that is its
+    ``cuda:0``; where every rank sees the node's GPUs, the local rank's; where there
+    are more ranks than GPUs, ranks share them round robin (``placements`` tells).
+    """
+    if visible < 1:
+        raise ValueError(f"visible must be >= 1 GPU, got {visible}")
+    return local_rank % visible
+
+
 def local_device() -> torch.device:
-    """This rank's GPU: the one of its local rank (modulo the GPUs on the node)."""
-    return torch.device("cuda", runtime.local_rank() % torch.cuda.device_count())
+    """This rank's GPU: ``device_index(local rank, GPUs it sees)``."""
+    return torch.device("cuda", device_index(runtime.local_rank(), torch.cuda.device_count()))
+
+
+def gpu_identity(index: int) -> str:
+    """A name of GPU ``index`` that any process seeing that GPU gives alike, and no other GPU.
+
+    Its UUID, which does not depend on ``CUDA_VISIBLE_DEVICES`` or on how a job's
+    cgroups renumber the GPUs (each rank's only GPU is ``cuda:0``, yet they differ).
+    Where torch gives no UUID: the host and the GPU's entry in ``CUDA_VISIBLE_DEVICES``
+    (its index where unset), which can only call two GPUs one, never one GPU two: the
+    backend rule then picks "mpidp", slower but never NCCL on a shared GPU.
+    """
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid:
+        return f"GPU-{uuid}"
+    listed = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    entry = listed[index] if index < len(listed) and listed[index] else str(index)
+    return f"{socket.gethostname()}:{entry}"
+
+
+def _placement() -> tuple[str | None, bool]:
+    gpu = gpu_identity(local_device().index) if torch.cuda.is_available() else None
+    return gpu, torch.distributed.is_available() and torch.distributed.is_nccl_available()
+
+
+@functools.cache
+def placements() -> tuple[tuple[str | None, ...], tuple[bool, ...]]:
+    """Every rank's GPU (``gpu_identity`` of the one it uses; None: it sees none) and whether
+    its torch has NCCL, by rank: the facts of ``rendezvous.backend_for``.
+
+    Collective on ``MPI.COMM_WORLD`` (one allgather), made at import by ``_start_up`` on
+    every rank, so every later call reads the same facts on every rank.
+    """
+    from .comm import agreement  # noqa: PLC0415  (mpidp.comm imports this module)
+
+    facts = agreement.watched_allgather(MPI.COMM_WORLD, _placement(),
+                                        "import mpidp: each rank's GPU (allgather)")
+    return tuple(gpu for gpu, _ in facts), tuple(nccl for _, nccl in facts)
 
 
 def _probe() -> bool:
@@ -181,15 +234,69 @@ def decision() -> Decision:
     return agree(states, MPI.COMM_WORLD.Get_rank(), _probe, _blocking_only())
 
 
+_forced: list[Decision] = []  # innermost last: ``forced`` blocks in force in this process
+
+
+@contextlib.contextmanager
+def forced(decided: Decision):
+    """Within the block this process takes ``decided`` in place of the start-up decision.
+
+    For benchmarks and tests that time or check both paths in one launch
+    (``bench/gpu_allreduce.py``); every rank should enter it alike. Handing device
+    memory to a library that cannot read it crashes the job, as ``MPIDP_CUDA_AWARE=1``
+    would.
+    """
+    if not isinstance(decided, Decision):
+        raise TypeError(f"forced takes a Decision, got {type(decided).__name__}")
+    _forced.append(decided)
+    try:
+        yield decided
+    finally:
+        _forced.remove(decided)
+
+
+def _in_force() -> Decision:
+    return _forced[-1] if _forced else decision()
+
+
 def cuda_aware() -> bool:
     """Whether device buffers are handed to MPI directly (in blocking collectives at least)."""
-    return decision().cuda_aware
+    return _in_force().cuda_aware
 
 
 def takes_device_memory(nonblocking: bool) -> bool:
-    """Whether a collective of this kind (nonblocking: an ``I``-form) gets device memory as it is."""
-    decided = decision()
+    """Whether a collective of this kind (nonblocking: an ``I``-form) gets device memory as it is.
+
+    The one rule for pointer or staged: ``mpidp.comm``'s staging, DDP's communication
+    thread and the backend's progress thread all ask it.
+    """
+    decided = _in_force()
     return decided.cuda_aware and (decided.nonblocking or not nonblocking)
+
+
+_paths = {"pointer": 0, "staged": 0}
+_paths_lock = threading.Lock()
+
+
+def carried(path: str, calls: int = 1) -> None:
+    """Count ``calls`` MPI calls whose device memory went as a ``"pointer"`` or ``"staged"``."""
+    if path not in _paths:
+        raise ValueError(f"path must be 'pointer' or 'staged', got {path!r}")
+    with _paths_lock:
+        _paths[path] += calls
+
+
+def paths() -> dict[str, int]:
+    """How many MPI calls on device memory this process made so far, by path taken.
+
+    ``{"pointer": n, "staged": m}``: the device pointer handed to MPI, or the bytes
+    copied through host memory first. Counted where the bytes leave (``comm``'s
+    staging: one per call; DDP's staged pipeline: one per chunk; the backend's host
+    mirror: one per tensor), so a test or a benchmark can tell which path carried
+    them: compare the kinds, not the totals, of two readings' differences.
+    """
+    with _paths_lock:
+        return dict(_paths)
 
 
 def stage_cpu() -> bool:
@@ -201,3 +308,4 @@ def _start_up() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_device())  # each rank uses the GPU of its local rank
     decision()  # collective on every rank, GPU or not; cached for every later call
+    placements()  # collective too: the default backend's facts

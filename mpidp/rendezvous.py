@@ -49,12 +49,12 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import settings, address as _address, runtime, store as _store
+from . import cuda, settings, address as _address, runtime, store as _store
 from . import watchdog as _watchdog
 from .comm import agreement
 from .comm.handle import collective
 
-__all__ = ["default_backend", "init_process_group", "handler", "start_up", "store_address",
+__all__ = ["backend_for", "default_backend", "init_process_group", "handler", "start_up", "store_address",
            "exported", "store_kind"]
 
 SCHEME = "mpidp"
@@ -85,25 +85,46 @@ class _State:
 _state = _State()
 
 
-def default_backend() -> str:
-    """``"cpu:gloo,cuda:nccl"`` where torch has NCCL and this node a GPU per rank, else ``"mpidp"``.
+def backend_for(gpus, nccl) -> tuple[str, str]:
+    """The default backend from every rank's facts, and why: NCCL where each rank has a GPU of
+    its own, else "mpidp".
 
-    NCCL refuses two ranks on one GPU; ``init_process_group`` takes the map only
-    where every rank's default is it. Not "cpu:mpidp,cuda:nccl": torch (2.13) makes a
-    Python process group the group of every device of a map and drops the others.
+    A pure function of the facts ``mpidp.cuda.placements`` gathers, so every rank
+    decides alike. NCCL refuses two ranks on one GPU, and a rank without a GPU
+    cannot join it; what each rank sees (one GPU, all of the node's, none) does
+    not matter, only whether the GPUs the ranks use are distinct. Not
+    "cpu:mpidp,cuda:nccl": torch (2.13) makes a Python process group the group of
+    every device of a map and drops the others.
+
+    Args:
+        gpus: by rank, the GPU each uses (``mpidp.cuda.gpu_identity``; None: it sees none).
+        nccl: by rank, whether its torch has NCCL.
+    Returns:
+        ``("cpu:gloo,cuda:nccl" or "mpidp", the reason)``.
     """
-    if (torch.cuda.is_available() and dist.is_nccl_available()
-            and runtime.local_size() <= torch.cuda.device_count()):
-        return _NCCL_MAP
-    return _MPIDP
+    if len(gpus) != len(nccl) or not gpus:
+        raise ValueError(f"gpus and nccl must list the same ranks, got {len(gpus)} and {len(nccl)}")
+    without = [rank for rank, gpu in enumerate(gpus) if gpu is None]
+    if len(without) == len(gpus):
+        return _MPIDP, "no rank sees a GPU"
+    if without:
+        return _MPIDP, f"no GPU visible on {_watchdog._ranks(without)}"
+    if not all(nccl):
+        return _MPIDP, f"torch has no NCCL on {_watchdog._ranks([r for r, n in enumerate(nccl) if not n])}"
+    users: dict[str, list[int]] = {}
+    for rank, gpu in enumerate(gpus):
+        users.setdefault(gpu, []).append(rank)
+    shared = [ranks for ranks in users.values() if len(ranks) > 1]
+    if shared:
+        return _MPIDP, "; ".join(f"{_watchdog._ranks(ranks)} share a GPU" for ranks in shared) + \
+            " (NCCL refuses two ranks on one GPU)"
+    return _NCCL_MAP, "each rank has a GPU of its own and torch has NCCL"
 
 
-def _agreed_default() -> str:
-    """``default_backend()`` where every rank's is the same, else ``"mpidp"`` on every rank."""
-    runtime.require_mpi()
-    mine = default_backend()
-    every = agreement.watched_allgather(MPI.COMM_WORLD, mine, "init_process_group: defaults")
-    return mine if len(set(every)) == 1 else _MPIDP
+def default_backend() -> str:
+    """``mpidp.init_process_group()``'s backend when none is named: ``backend_for`` the facts
+    gathered at import (the same on every rank; no collective)."""
+    return backend_for(*cuda.placements())[0]
 
 
 def exported() -> dict[str, str]:
@@ -477,8 +498,8 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
     Args:
         backend: ``"mpidp"``, ``"gloo"``, ``"nccl"`` or a device map such as
             ``"cpu:gloo,cuda:nccl"`` (not one with "mpidp" and another backend,
-            see ``default_backend``); None: ``default_backend()`` where every
-            rank's is the same, else ``"mpidp"``.
+            see ``backend_for``); None: ``default_backend()`` (NCCL where each
+            rank has a GPU of its own, else ``"mpidp"``; the same on every rank).
         store: ``"mpi"`` (``mpidp.store.MPIStore``: rank 0 holds the keys,
             they travel over MPI, no port; the default), ``"tcp"`` (torch's
             TCPStore on rank 0, bound to the rendezvous address) or ``"local"``
@@ -490,7 +511,7 @@ def init_process_group(backend: str | None = None, *, store=None, **kwargs) -> N
             ``timeout``, a gloo or NCCL group waits the stall watchdog's timeout
             (``MPIDP_TIMEOUT``; see ``with_group_timeout``).
     """
-    backend = _agreed_default() if backend is None else backend
+    backend = default_backend() if backend is None else backend
     kwargs = with_group_timeout(backend, kwargs)
     _agree_on_init(backend, store, kwargs)
     if store is not None and not isinstance(store, str):

@@ -100,6 +100,8 @@ def _stage(inputs: tuple, outputs: tuple, host_only: bool = False, nonblocking: 
     devices = {t.device for t in tensors if t.is_cuda}
     device_to_host = bool(devices) and (
         host_only or not _cuda.takes_device_memory(nonblocking or _handle._driving()))
+    if devices:
+        _cuda.carried("staged" if device_to_host else "pointer")
     pinned = torch.cuda.is_available()
     stand_ins: dict[int, torch.Tensor] = {}
 

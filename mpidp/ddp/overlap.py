@@ -142,7 +142,7 @@ class ThreadStrategy(_Strategy):
         stream = self._streams[buffer.device]
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            if pairs is None and not _cuda.cuda_aware():
+            if pairs is None and not _cuda.takes_device_memory(nonblocking=False):
                 self._staged(buffer, divisor, stream)
             else:  # each collective syncs `stream` first
                 self._each(buffer, divisor, pairs, _comm.allreduce, _comm.reduce_scatter)
@@ -155,6 +155,7 @@ class ThreadStrategy(_Strategy):
         crossing and earlier results are copied back (all on the side stream, in order).
         """
         mirror = _staging.HostMirror(buffer, self.chunk_bytes).queue(stream, divisor=divisor)
+        _cuda.carried("staged", len(mirror.pieces))
         for index in range(len(mirror.pieces)):
             _comm.allreduce(mirror.wait(index), "sum", comm=self.pool)
             mirror.copy_back(index)

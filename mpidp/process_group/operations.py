@@ -95,6 +95,7 @@ class Operations:
         if (tensor.is_cuda and tensor.is_contiguous() and self._async
                 and not _cuda.takes_device_memory(nonblocking=True)):
             mirror = _staging.HostMirror(tensor, nbytes)
+            _cuda.carried("staged")
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
             chunks = Chunks(mirror.host, op, self._chunk_comm, nbytes, stage_from=(mirror, ready))

@@ -1,8 +1,14 @@
 """GPU path under mpiexec: comm on CUDA tensors and DDP on a CUDA model vs a CPU reference.
 
-Skips without a GPU; fails instead when MPIDP_TEST_GPU=1.
+Skips without a GPU; fails instead when MPIDP_TEST_GPU=1. Each route to MPI (blocking,
+nonblocking, DDP under every overlap strategy, the backend's progress thread) is checked to
+take the path the decision gives (``mpidp.cuda.paths()``); MPIDP_TEST_PATH=pointer (or staged)
+also says which path that must be for every device collective, so that a silent fall back to
+staging fails (bench/gpu_validate.sh sets it for a library that reads device memory in every
+collective, and checks that the tests fail under MPIDP_CUDA_AWARE=0).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -17,6 +23,37 @@ if not torch.cuda.is_available():
     pytest.skip("no GPU", allow_module_level=True)
 
 DEVICE = mpidp.cuda.local_device()
+PATH = os.environ.get("MPIDP_TEST_PATH")  # "pointer" or "staged": what every device call must take
+
+
+def path_of(nonblocking: bool) -> str:
+    """The path the decision gives a device collective of this kind, and MPIDP_TEST_PATH's if set."""
+    path = "pointer" if mpidp.cuda.takes_device_memory(nonblocking) else "staged"
+    if PATH is not None and path != PATH:
+        raise AssertionError(f"device memory goes {path} ({mpidp.cuda.decision().reason}) where "
+                             f"MPIDP_TEST_PATH={PATH}")
+    return path
+
+
+@contextlib.contextmanager
+def paths_taken():
+    """The paths (``mpidp.cuda.paths()``) that device memory took within the block."""
+    taken: set[str] = set()
+    before = mpidp.cuda.paths()
+    yield taken
+    after = mpidp.cuda.paths()
+    taken.update(path for path in after if after[path] > before[path])
+
+
+def test_device_memory_goes_to_mpi_the_decided_way_blocking_and_nonblocking():
+    tensor = torch.full((1 << 16,), float(RANK + 1), device=DEVICE)
+    with paths_taken() as taken:
+        mpidp.comm.allreduce(tensor)
+    assert taken == {path_of(False)}
+    with paths_taken() as taken:
+        mpidp.comm.iallreduce(tensor).wait()
+    assert taken == {path_of(True)}
+    assert torch.all(tensor == SIZE * SIZE * (SIZE + 1) // 2).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -38,12 +75,15 @@ def test_ddp_on_the_gpu_matches_the_cpu(overlap):
     gpu = mpidp.DistributedDataParallel(mlp().to(DEVICE), overlap=overlap, bucket_cap_mb=0.001)
     gpu.module.load_state_dict(cpu.module.state_dict())
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (cpu, gpu)]
-    for step in range(4):
-        x, y = inputs("mlp", step)
-        for model, optimizer, device in zip((cpu, gpu), optimizers, ("cpu", DEVICE)):
-            optimizer.zero_grad()
-            loss_of("mlp", model(shard(x).to(device)), shard(y).to(device)).backward()
-            optimizer.step()
+    with paths_taken() as taken:
+        for step in range(4):
+            x, y = inputs("mlp", step)
+            for model, optimizer, device in zip((cpu, gpu), optimizers, ("cpu", DEVICE)):
+                optimizer.zero_grad()
+                loss_of("mlp", model(shard(x).to(device)), shard(y).to(device)).backward()
+                optimizer.step()
+    # the buckets' path: nonblocking collectives under "nonblocking", blocking ones otherwise
+    assert path_of(overlap == "nonblocking") in taken and taken <= {path_of(False), path_of(True)}
     assert max_rel_diff(gpu.module.cpu(), cpu.module) < 1e-5
 
 
@@ -214,10 +254,13 @@ def test_horovod_on_device_tensors_and_its_optimizer_match_the_cpu():
 
 
 def test_the_default_backend_is_nccl_only_where_each_rank_has_a_gpu_of_its_own():
-    from mpidp import rendezvous, runtime
-    own = runtime.local_size() <= torch.cuda.device_count()
-    nccl = torch.distributed.is_nccl_available()
+    from mpi4py import MPI
+    from mpidp import rendezvous
+    uuids = MPI.COMM_WORLD.allgather(str(torch.cuda.get_device_properties(DEVICE).uuid))
+    nccl = all(MPI.COMM_WORLD.allgather(torch.distributed.is_nccl_available()))
+    own = len(set(uuids)) == SIZE  # each rank's GPU differs from every other rank's
     assert rendezvous.default_backend() == ("cpu:gloo,cuda:nccl" if own and nccl else "mpidp")
+    assert mpidp.cuda.placements()[0] == tuple(f"GPU-{uuid}" for uuid in uuids)
 
 
 class SparseBN(torch.nn.Module):
@@ -288,6 +331,15 @@ def group():
     mpidp.init_process_group("mpidp")
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+def test_the_backends_progress_thread_takes_the_decided_path(group):
+    import torch.distributed as dist
+    tensor = torch.full((1 << 16,), float(RANK + 1), device=DEVICE)
+    with paths_taken() as taken:
+        dist.all_reduce(tensor, async_op=True).wait()
+    assert taken == {path_of(True)}
+    assert torch.all(tensor == SIZE * (SIZE + 1) // 2).item()
 
 
 def test_backend_collectives_on_device_tensors(group):

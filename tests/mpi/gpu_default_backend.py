@@ -2,6 +2,11 @@
 
     mpiexec -n 1 python tests/mpi/gpu_default_backend.py   # one GPU: NCCL
     mpiexec -n 2 python tests/mpi/gpu_default_backend.py   # two ranks on one GPU: "mpidp"
+    mpiexec -n 2 env CUDA_VISIBLE_DEVICES=0 python ...     # each rank sees one GPU, the same: "mpidp"
+
+Each rank's GPU is named by its UUID (``mpidp.cuda.gpu_identity``), so the expected backend is
+computed here from UUIDs gathered over MPI, not from the GPU count (``srun --gpus-per-task=1``
+shows each rank one GPU, different ones: NCCL).
 
 Run by bench/gpu_validate.sh (this needs a GPU; nothing in the CPU suite runs it). Checks that
 the backend picked is the same on every rank, that CUDA and CPU tensors reduce right over it, and
@@ -10,16 +15,17 @@ that torch's DDP on the GPU over it trains as mpidp's DDP does on the CPU (float
 
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import mpidp
-from mpidp import runtime
 
 rank, size = mpidp.rank(), mpidp.size()
 device = mpidp.cuda.local_device()
 mpidp.init_process_group()
 picked = dist.get_backend()
-expected = "cpu:gloo,cuda:nccl" if runtime.local_size() <= torch.cuda.device_count() else "mpidp"
+uuids = MPI.COMM_WORLD.allgather(str(torch.cuda.get_device_properties(device).uuid))
+expected = "cpu:gloo,cuda:nccl" if len(set(uuids)) == size else "mpidp"
 assert picked == expected, (picked, expected)
 for where in (device, "cpu"):
     tensor = torch.full((1 << 20,), float(rank + 1), device=where)
