@@ -278,8 +278,9 @@ def judge_settings(facts: list) -> Finding:
         given = (f"{len(names)} MPIDP_* settings" if len(names) != 1 else "1 MPIDP_* setting")
         return Finding("settings", True, f"{given} given, valid and alike")
     return Finding("settings", False, "; ".join(text),
-                   "docs/environment.md lists each MPIDP_* variable and its rule; export the "
-                   "same values to every rank (mpiexec -genv, srun --export=ALL)")
+                   "docs/environment.md lists each MPIDP_* variable and its rule; unset the "
+                   "names mpidp does not read; export the same values to every rank "
+                   "(mpiexec -genv, srun --export=ALL)")
 
 
 def check_settings(comm, context) -> Finding:
@@ -294,7 +295,7 @@ def _gpu() -> tuple:
     if not torch.cuda.is_available():
         return host, visible, None, None
     device = cuda.local_device()
-    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index))
+    uuid = cuda.gpu_identity(device.index)  # the default backend's name for it too
     return host, visible, uuid, cuda.library_reports_cuda()
 
 
