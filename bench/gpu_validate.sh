@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # GPU validation: the GPU tests and the GPU benchmarks, one log per part in OUTDIR.
 #
-#     bash bench/gpu_validate.sh OUTDIR [sanity|tests|nccl|allreduce|bench|others|profile|suite]...
+#     bash bench/gpu_validate.sh OUTDIR [sanity|tests|path|nccl|allreduce|bench|others|profile|suite]...
 #                                                                       (default: tests bench)
 #
 # Needs a CUDA GPU, torch with CUDA and CuPy in python3. A venv that sees them is
 # made in /tmp/mpidp-gpu-venv; mpi4py (and an MPI wheel, if any) come from wheels in .whl/
 # (there is no package index on the GPU machines of this project), else python3's own
 # mpi4py and the mpiexec on PATH. MPI_PREFIX=DIR takes the MPI installed in DIR instead (the
-# CUDA-aware Open MPI of bench/build_cuda_mpi.sh): its bin/ on PATH, MPI4PY_LIBMPI its libmpi.
+# CUDA-aware MPICH of bench/build_cuda_mpi.sh, carried as build/cuda-mpi): its bin/ on PATH,
+# MPI4PY_LIBMPI its libmpi, its own venv (/tmp/mpidp-gpu-venv-mpi) with the mpi4py wheel
+# built against it where one fits this python (DIR/wheels/). The whole run stops after
+# LIMIT seconds (default 540: a 600-second call leaves time to fetch the logs).
 #   sanity: which MPI, whether it reports CUDA, mpidp's decision at 2 ranks;
 #   tests: the kernel and CUDA unit tests, tests/mpi/check_gpu.py and check_syncbn.py
 #          under mpiexec (MPIDP_TEST_GPU=1: a GPU test that would skip fails), as decided
 #          and with host staging forced (MPIDP_CUDA_AWARE=0);
+#   path: the path test (tests/mpi/check_gpu.py's device-path tests and its GPU-vs-CPU
+#          comparison of DDP under every overlap strategy, with the collectives and the backend's
+#          progress thread) with MPIDP_TEST_PATH=PATH (default pointer: every device collective
+#          must hand MPI the device pointer), then again with MPIDP_CUDA_AWARE=0, where it must
+#          fail (a fall back to staging is caught); then the whole of check_gpu.py, staged, must pass;
 #   nccl: tests/mpi/gpu_default_backend.py at 1 rank (NCCL) and 2 ranks on one GPU ("mpidp");
 #   allreduce: bench/gpu_allreduce.py (CUDA-aware against staged, 1 MiB - 256 MiB);
 #   bench: bench/kernel_bench.py, and bench/train_bench.py --device cuda at 2 ranks
@@ -35,12 +43,15 @@
 #          pass/fail run; HVD_EXAMPLES=0: not the examples;
 #   suite: the whole test suite with the GPU visible.
 set -uo pipefail
-out=${1:?usage: gpu_validate.sh OUTDIR [tests|bench|profile|suite]...}
+if [ -z "${GPU_VALIDATE_LIMITED:-}" ]; then  # one time limit for the whole run
+    GPU_VALIDATE_LIMITED=1 exec timeout --kill-after=10 "${LIMIT:-540}" bash "$0" "$@"
+fi
+out=${1:?usage: gpu_validate.sh OUTDIR [tests|path|bench|profile|suite]...}
 shift
 parts=${*:-tests bench}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-venv=/tmp/mpidp-gpu-venv
+venv=/tmp/mpidp-gpu-venv${MPI_PREFIX:+-mpi}
 if [ ! -x $venv/bin/python ]; then
     python3 -m venv $venv  # python3 may itself be a venv's: its packages come in by a .pth
     python3 -c "import site; print('\n'.join(site.getsitepackages()))" \
@@ -49,6 +60,11 @@ if [ ! -x $venv/bin/python ]; then
         $venv/bin/pip install -q --no-index --no-deps .whl/*.whl || exit 1
     fi
     $venv/bin/pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+    if [ -n "${MPI_PREFIX:-}" ] && ls "$MPI_PREFIX"/wheels/mpi4py-*.whl >/dev/null 2>&1; then
+        # built against MPI_PREFIX's MPI; pip refuses it where this python's tag differs
+        $venv/bin/pip install -q --no-index --no-deps --force-reinstall "$MPI_PREFIX"/wheels/mpi4py-*.whl \
+            || echo "the mpi4py wheel of $MPI_PREFIX does not fit this python: mpi4py's own, on MPI4PY_LIBMPI"
+    fi
 fi
 py=$venv/bin/python
 if [ -n "${MPI_PREFIX:-}" ]; then
@@ -93,6 +109,22 @@ tests)
         tests/mpi/check_gpu.py 2>&1 | tee "$out/tests_check_gpu_staged.txt"
     MPIDP_CUDA_AWARE=0 timeout ${T:-300} $launcher -n 2 $py -m pytest -q -p no:cacheprovider -rs -s \
         tests/mpi/check_syncbn.py -k cuda 2>&1 | tee "$out/tests_syncbn_staged.txt"
+    ;;
+path)
+    want=${TEST_PATH:-pointer}
+    tests="path or decided or matches_the_cpu"
+    echo "== MPIDP_TEST_PATH=$want, as decided: must pass" | tee "$out/path.txt"
+    MPIDP_TEST_PATH=$want timeout ${T:-240} $launcher -n 2 $py -m pytest -q -p no:cacheprovider \
+        -rs tests/mpi/check_gpu.py -k "$tests" 2>&1 | tee -a "$out/path.txt"
+    echo "rc ${PIPESTATUS[0]} (must be 0)" | tee -a "$out/path.txt"
+    echo "== MPIDP_TEST_PATH=$want, MPIDP_CUDA_AWARE=0: must fail" | tee -a "$out/path.txt"
+    MPIDP_TEST_PATH=$want MPIDP_CUDA_AWARE=0 timeout ${T:-240} $launcher -n 2 $py -m pytest -q \
+        -p no:cacheprovider -rs tests/mpi/check_gpu.py -k "$tests" 2>&1 | tee -a "$out/path.txt"
+    echo "rc ${PIPESTATUS[0]} (must not be 0)" | tee -a "$out/path.txt"
+    echo "== MPIDP_TEST_PATH=staged, MPIDP_CUDA_AWARE=0: the whole file must pass" | tee -a "$out/path.txt"
+    MPIDP_TEST_PATH=staged MPIDP_CUDA_AWARE=0 timeout ${T:-240} $launcher -n 2 $py -m pytest -q \
+        -p no:cacheprovider -rs tests/mpi/check_gpu.py 2>&1 | tee -a "$out/path.txt"
+    echo "rc ${PIPESTATUS[0]} (must be 0)" | tee -a "$out/path.txt"
     ;;
 sanity)
     for n in 1 2; do
