@@ -38,6 +38,7 @@ from .healing import Healer
 from .ddp.data_parallel import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
+from .profiler import profile
 from .process_group.monitor import monitored_barrier
 from .rendezvous import init_process_group
 from .runtime import abort_on_exception, local_rank, local_size, rank, size
@@ -55,6 +56,7 @@ __all__ = [
     "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm", "Checkpointer",
     "Healer", "ZeroRedundancyOptimizer",
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
+    "profile",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
     "checkpoint", "generators", "healing", "preemption", "recorder",

@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import doctor, rendezvous, runtime, topology, trace
+from mpidp import doctor, frtrace, rendezvous, runtime, topology, trace
 from mpidp.comm.handle import collective
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args] or module [args]")
     lineup = commands.add_parser("trace", help="line up the ranks' flight records in DIR (no mpiexec)")
     lineup.add_argument("folder", metavar="DIR", help="MPIDP_TRACE_DIR, or mpidp-trace-<job>")
+    lineup.add_argument("--torch-fr", metavar="OUT", help="also write them into OUT in torch's "
+                        "flight-recorder format, for torch's analyzer: torchfrtrace OUT")
     checkup = commands.add_parser("doctor", help="check the job's setup on every rank; "
                                                  "exit status 1 when something is wrong")
     checkup.add_argument("--gradients-mb", type=float, default=doctor.DEFAULT_GRADIENTS_MB,
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
             parser.error(f"doctor: --gradients-mb must be > 0, got {args.gradients_mb}")
         return doctor.main(args.gradients_mb)
     if args.command == "trace":
-        return trace.main(args.folder)
+        status = trace.main(args.folder)
+        return max(status, frtrace.main(args.folder, args.torch_fr)) if args.torch_fr else status
     if args.command == "run":
         if not args.target:
             parser.error("run: give a script (or -m and a module) to run")

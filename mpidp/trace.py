@@ -34,7 +34,7 @@ import re
 from .communicators import fold
 from .recorder import read_box
 
-__all__ = ["load", "analyse", "report", "main"]
+__all__ = ["load", "members", "analyse", "report", "main"]
 
 _FORMAT = 1
 
@@ -64,7 +64,7 @@ def load(folder: str) -> dict[int, dict]:
     return found
 
 
-def _members(key: str, size: int) -> list[int]:
+def members(key: str, size: int) -> list[int]:
     """The world ranks a communicator's key names ("ranks 0-2, 5 #1", "COMM_WORLD")."""
     if key == "COMM_WORLD":
         return list(range(size))
@@ -119,10 +119,10 @@ def analyse(ranks: dict[int, dict]) -> list[dict]:
             by_comm.setdefault(entry["comm"], {}).setdefault(rank, {})[entry["seq"]] = entry
     findings = []
     for key, held in by_comm.items():
-        members = [r for r in _members(key, size) if r in ranks] or sorted(held)
+        group = [r for r in members(key, size) if r in ranks] or sorted(held)
         owner = next((d["communicators"][key]["owner"] for d in ranks.values()
                       if key in d["communicators"]), "?")
-        found = _first_problem(key, owner, members, held, ranks)
+        found = _first_problem(key, owner, group, held, ranks)
         if found is not None:
             findings.append(found)
     open_ = {rank: [e for e in data["entries"] if e["end"] is None] for rank, data in ranks.items()}
@@ -155,7 +155,7 @@ def _first_problem(key, owner, members, held, ranks) -> dict | None:
             lines = [f"first divergence on {where}, started {_when(when, ranks)}:"]
             for group in sorted(signatures.values(), key=min):
                 lines.append(f"    {_rank_words(group)}: {_described(present[group[0]])}")
-            return dict(when=when, kind="differ", ranks=signatures, lines=lines)
+            return dict(when=when, kind="differ", ranks=signatures, lines=lines, comm=key, seq=seq)
         if absent:  # described by a rank that knows it best (a file over a black box)
             sample = max(present.values(), key=lambda entry: entry["extra"] is not None)
             lines = [f"never arrived on {where}, started {_when(when, ranks)} by "
@@ -165,7 +165,7 @@ def _first_problem(key, owner, members, held, ranks) -> dict | None:
                 before = mine.get(max(mine)) if mine else None
                 last = f"#{before['seq']} {_described(before)}" if before else "none"
                 lines.append(f"    {_rank_words([rank])} never started it; its last there: {last}")
-            return dict(when=when, kind="missing", absent=absent, lines=lines)
+            return dict(when=when, kind="missing", absent=absent, lines=lines, comm=key, seq=seq)
     return None
 
 

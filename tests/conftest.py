@@ -19,7 +19,7 @@ sys.dont_write_bytecode = False
 
 QUICK_FILES = {"test_units.py", "test_docs.py", "test_layers.py", "test_topology.py",
                "test_sampler.py", "test_overlap.py", "test_kernels.py", "test_cuda.py",
-               "test_doctor.py"}
+               "test_doctor.py", "test_frtrace.py"}
 LAUNCHING = {"test_complete_snippets_run",
              "test_doctor_names_each_seeded_misconfiguration"}  # in those files, but each starts an mpiexec job
 

@@ -484,3 +484,36 @@ def test_two_threads_write_the_black_box_at_once(tmp_path, monkeypatch):
     for mine in by_comm.values():
         assert [e["seq"] for e in mine] == sorted(e["seq"] for e in mine)
         assert all(e["count"] == e["seq"] - mine[0]["seq"] + mine[0]["count"] for e in mine)
+
+
+def test_profile_merge_gives_each_rank_its_process_and_a_gpu_its_lanes():
+    """mpidp.profiler.rank_events on a trace shaped as torch exports one with a GPU: the
+    host's threads keep their ids, the device's streams and the profiler's spans become
+    named lanes of the rank's process, flow ids stay unique across ranks."""
+    from mpidp.profiler import DEVICE_LANES, rank_events
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 100, "tid": 0, "ts": 5,
+         "args": {"name": "python"}},
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "ts": 5, "args": {"name": "GPU 0"}},
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "ts": 5,
+         "args": {"name": "stream 7"}},
+        {"ph": "X", "name": "aten::mm", "pid": 100, "tid": 101, "ts": 10.5, "dur": 2.0},
+        {"ph": "X", "name": "gemm", "pid": 0, "tid": 7, "ts": 11.0, "dur": 1.0},
+        {"ph": "X", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",
+         "ts": 5, "dur": 20},
+        {"ph": "s", "name": "launch", "pid": 100, "tid": 101, "ts": 10.5, "id": 3},
+        {"ph": "f", "name": "launch", "pid": 0, "tid": 7, "ts": 11.0, "id": 3},
+        {"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": 25},
+    ]}
+    events = rank_events(trace, rank=1, size=2, shift_us=-5.0, host_pid=100)
+    assert all(e["pid"] == 1 for e in events)
+    assert not [e for e in events if e["name"] == "process_name"]
+    by_name = {e["name"]: e for e in events if e["ph"] != "M"}
+    assert by_name["aten::mm"]["tid"] == 101 and by_name["aten::mm"]["ts"] == 5.5
+    assert by_name["gemm"]["tid"] >= DEVICE_LANES and by_name["gemm"]["ts"] == 6.0
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert lanes[by_name["gemm"]["tid"]] == "GPU 0 stream 7"
+    assert lanes[by_name["PyTorch Profiler (0)"]["tid"]] == "Spans PyTorch Profiler"
+    assert lanes[by_name["Record Window End"]["tid"]] == "profiler"
+    assert by_name["Record Window End"]["s"] == "p"  # the rank's own mark, not one across all
+    assert [e["id"] for e in events if e["ph"] in "sf"] == [3 * 2 + 1, 3 * 2 + 1]

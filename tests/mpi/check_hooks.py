@@ -8,13 +8,19 @@ rank's input; ``powerSGD_hook`` gives what torch's ``powerSGD_hook`` gives over
 a process group of the "mpidp" backend. Then torch's own default hooks on
 mpidp's DDP, the hooks with no_sync, unused parameters, sparse gradients and
 in-place buckets, the errors (raised on every rank, after which the ranks
-still communicate), the profiler's bucket events and ``ddp.stats()``.
+still communicate), the profiler's bucket events, one profile of every rank
+(``python -m mpidp profile``) and ``ddp.stats()``.
 
 The models are float32 and small (a few buckets of ~0.5 KiB), so the file stays fast.
 """
 
 import contextlib
+import json
 import math
+import os
+import shutil
+import sys
+import tempfile
 import threading
 
 import pytest
@@ -30,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 import mpidp
 import _models
 from _models import BATCH, RANK, SIZE
+from mpidp import __main__ as cli
 from mpidp import hooks
 from mpidp.comm import chunking
 
@@ -747,6 +754,77 @@ def test_profiler_records_every_bucket(hook):
                           f"{bucket.buffer.numel() * bucket.buffer.element_size() / 2**20:.2f} "
                           f"MiB {suffix}" for k, bucket in enumerate(buckets))
         assert names == expected
+
+
+PROFILED = """
+import torch
+from torch import nn
+import mpidp
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+# inline: each bucket's range holds its blocking allreduce, which no rank can leave before
+# every rank has entered it
+ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0005,
+                                    shared_memory=False, overlap="inline")
+for step in range(2):
+    ddp(torch.randn(4, 10)).sum().backward()
+print(f"buckets {len(ddp.reducer.buckets)}")
+"""
+
+
+def check_trace(path: str, size: int, buckets: int, steps: int) -> None:
+    """The merged trace: JSON that Perfetto reads, one process per rank, every rank's bucket
+    ranges, and times on one axis (each step's bucket range ends, on every rank, after it
+    began on every rank)."""
+    with open(path) as file:
+        trace = json.load(file)
+    events = trace["traceEvents"]
+    assert events and all({"ph", "ts", "pid", "tid", "name"} <= set(e) for e in events), \
+        [e for e in events if not {"ph", "ts", "pid", "tid", "name"} <= set(e)][:3]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {rank: f"rank {rank}" for rank in range(size)}
+    assert {e["pid"] for e in events} == set(range(size))
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert min(e["ts"] for e in spans) < 1e6  # µs from the earliest event (the profiler's start)
+    ranges = {rank: sorted((e["ts"], e["ts"] + e["dur"]) for e in spans
+                           if e["pid"] == rank and e["name"].startswith("mpidp.DDP bucket "))
+              for rank in range(size)}
+    assert all(len(found) == buckets * steps for found in ranges.values()), ranges
+    for k in range(buckets * steps):
+        latest_start = max(found[k][0] for found in ranges.values())
+        assert all(found[k][1] >= latest_start for found in ranges.values()), (k, ranges)
+
+
+def test_python_m_mpidp_profile_writes_one_trace_of_every_rank(capsys):
+    """``python -m mpidp profile -o FILE script.py`` (its main(), in this launch)."""
+    folder = mpidp.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None)
+    script, path = os.path.join(folder, "train.py"), os.path.join(folder, "job.json")
+    if RANK == 0:
+        with open(script, "w") as file:
+            file.write(PROFILED)
+    mpidp.barrier()
+    argv, first = sys.argv[:], sys.path[0]
+    try:
+        assert cli.main(["profile", "-o", path, script]) == 0
+    finally:
+        sys.argv[:], sys.path[0] = argv, first
+    buckets = int(capsys.readouterr().out.split("buckets ")[1].split()[0])
+    try:
+        if RANK == 0:
+            check_trace(path, SIZE, buckets, steps=2)
+    finally:
+        mpidp.barrier()
+        if RANK == 0:
+            shutil.rmtree(folder)
+
+
+def test_profile_refuses_a_missing_folder_on_every_rank():
+    with pytest.raises(ValueError, match="mpidp.profile: rank 0: path .* does not exist"):
+        with mpidp.profile("/nonexistent-mpidp-folder/job.json"):
+            pass
 
 
 # -- 6. ddp.stats() ------------------------------------------------------------------
