@@ -10,6 +10,10 @@ the program as ``__main__`` on every rank, as ``python train.py`` would, after
 mpidp's start-up: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...
 are exported (also on one rank), so a program written for ``torchrun`` runs
 unmodified; an uncaught exception on one rank ends the whole job.
+
+``python -m mpidp profile -o job.json train.py [args]`` runs it the same way under
+``torch.profiler`` on every rank and writes one trace of the whole job, each rank a
+process of its own (``mpidp.profiler``; open it in Perfetto).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import doctor, frtrace, rendezvous, runtime, topology, trace
+from mpidp import doctor, frtrace, profiler, rendezvous, runtime, topology, trace
 from mpidp.comm.handle import collective
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
@@ -82,6 +86,17 @@ def run(target: list[str], module: bool) -> int:
     return 0
 
 
+def profiled(output: str, target: list[str], module: bool) -> int:
+    """``run`` under ``mpidp.profile(output)``; a program's ``sys.exit(0)`` still writes it."""
+    with profiler.profile(output):
+        try:
+            run(target, module)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+    return 0
+
+
 def info() -> int:
     ranks = topology.gather()
     reasons = collective(MPI.COMM_WORLD, "allgather", (topology.threads_reason(),),
@@ -106,15 +121,26 @@ def info() -> int:
     return 0
 
 
+def takes_a_program(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a command that runs a program: ``[-m] target [args]``."""
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="run a module, as python -m does")
+    parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args] or module [args]")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpidp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="print every rank's layout")
-    launch = commands.add_parser("run", help="run a program (torchrun-style too) on every rank")
-    launch.add_argument("-m", dest="module", action="store_true",
-                        help="run a module, as python -m does")
-    launch.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args] or module [args]")
+    takes_a_program(commands.add_parser("run", help="run a program (torchrun-style too) on "
+                                                    "every rank"))
+    profiling = commands.add_parser("profile", help="run a program under torch.profiler on "
+                                                    "every rank; write one trace of all ranks")
+    profiling.add_argument("-o", "--output", required=True, metavar="FILE",
+                           help="the trace rank 0 writes (trace-event JSON: Perfetto, "
+                                "chrome://tracing)")
+    takes_a_program(profiling)
     lineup = commands.add_parser("trace", help="line up the ranks' flight records in DIR (no mpiexec)")
     lineup.add_argument("folder", metavar="DIR", help="MPIDP_TRACE_DIR, or mpidp-trace-<job>")
     lineup.add_argument("--torch-fr", metavar="OUT", help="also write them into OUT in torch's "
@@ -137,6 +163,10 @@ def main(argv=None) -> int:
         if not args.target:
             parser.error("run: give a script (or -m and a module) to run")
         return run(args.target, args.module)
+    if args.command == "profile":
+        if not args.target:
+            parser.error("profile: give a script (or -m and a module) to run")
+        return profiled(args.output, args.target, args.module)
     return info()
 
 

@@ -24,7 +24,7 @@ LAYERS = [
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),
     ("backend", ["process_group", "process_group.*"]),
     ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "healing"]),
-    ("package", ["", "__main__", "doctor", "doctor.*", "frtrace"]),
+    ("package", ["", "__main__", "doctor", "doctor.*", "profiler", "frtrace"]),
 ]
 MOST_LINES = 500
 
