@@ -49,6 +49,8 @@ def test_unbound_ranks_share_the_cores_and_are_warned_only_where_binding_matters
     """A plain ``mpiexec -n 2``, as the README's first command launches: on a node of one NUMA
     domain no binding warning (DDP warns from the same ``binding_warnings``); on several, the
     advised launch line; and that line gives each rank cores of its own."""
+    readme = (launch.ROOT / "README.md").read_text()
+    assert "/mpiexec -n 2 .venv/bin/python examples/train.py\n" in readme  # this launch's flags
     out = run_unbound(2, ["-m", "mpidp", "info"])
     threads = [int(line.split()[5]) for line in out.splitlines()[1:3]]
     share = max(1, CORES // 2)
