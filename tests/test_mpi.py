@@ -25,6 +25,7 @@ MPI_FILES = [
     # first: a Healer refuses communicators that no owner rebuilds, which a file before might leave
     ("tests/mpi/check_healing.py", [2, 3]),  # the heals themselves: tests/test_healing.py
     ("tests/mpi/check_ddp.py", [1, 2, 3, 4]),
+    ("tests/mpi/check_reproducible.py", [1, 2, 3, 4]),  # against one process in each launch
     ("tests/mpi/check_gloo.py", [2, 3]),
     ("tests/mpi/check_errors.py", [3]),
     ("tests/mpi/check_ddp_edges.py", [2, 3]),
