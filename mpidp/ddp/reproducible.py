@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm as _comm
+from . import outcome as _outcome
 from ..comm import agreement as _agreement
 from ..comm import chunking as _chunking
 from .buckets import Bucket, Shards
@@ -63,6 +64,7 @@ class ReproducibleReducer(Reducer):
         self._local: Step | None = None  # the step of a micro-batch inside no_sync
         self._local_failed = False
         self._stash: dict[int, torch.Tensor] = {}  # .grad found before a micro-batch
+        self._scratches: dict[tuple, torch.Tensor] = {}
         options.update(gradient_as_bucket_view=False, predict_order=False, solo_bytes=None,
                        shared=None)
         super().__init__(named_params, pool, control, **options)
@@ -125,8 +127,11 @@ class ReproducibleReducer(Reducer):
     def _stash_grads(self) -> None:
         # A gradient left from before (no zero_grad) is added back after the reduction,
         # as torch accumulates; the micro-batch's own gradient starts from None.
+        stores = {bucket.store.untyped_storage().data_ptr() for bucket in self.buckets}
         for index, param in enumerate(self.params):
             if param.grad is not None:
+                if param.grad.untyped_storage().data_ptr() in stores:  # the last average
+                    param.grad = param.grad.clone()
                 if index in self._stash:
                     self._stash[index] = self._stash[index] + param.grad
                 else:
@@ -185,25 +190,40 @@ class ReproducibleReducer(Reducer):
             block = (stop - start) // world
             # [rows, world * block] -> [world, rows, block]: block s of each row goes to rank s
             outgoing = store[:, start:stop].reshape(rows, world, block).transpose(0, 1)
-            if rows > 1 or not outgoing.is_contiguous():
-                outgoing = outgoing.contiguous()
-            incoming = torch.empty(count, block, dtype=store.dtype, device=store.device)
+            if rows > 1:
+                outgoing = self._scratch(1, outgoing.shape, store).copy_(outgoing)
+            incoming = self._scratch(0, (count, block), store)
             _comm.alltoall(incoming, outgoing, comm=pool)
             result = bucket.buffer[low:high] if target is None else target[position:position + block]
-            result.copy_(incoming[0])
-            for row in incoming[1:]:  # left to right, as one process adds them
-                result.add_(row)
+            if count == 1:
+                result.copy_(incoming[0])
+            else:  # left to right, from micro-batch 0, as one process adds them
+                torch.add(incoming[0], incoming[1], out=result)
+                for row in incoming[2:]:
+                    result.add_(row)
             result.div_(count)
             if target is None:
                 _comm.allgather(bucket.buffer[start:stop], result, comm=pool)
+
+    def _scratch(self, which: int, shape, like: torch.Tensor) -> torch.Tensor:
+        """Scratch buffer ``which`` (0: received, 1: sent) of ``shape``; it only grows."""
+        key = (which, like.dtype, like.device)
+        numel = shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)
+        buffer = self._scratches.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratches[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape)
 
     def _copy_back(self, counts: list[int]) -> None:
         if self.sink is not None:
             ShardedReducer._copy_back(self, counts)
         else:
+            # .grad becomes a view of the averages (no copy); the next micro-batch's
+            # forward takes it out of the way first (_stash_grads)
             for bucket in self.buckets:
                 bucket.buffer = bucket.buffer[:bucket.shards.numel]  # without the padding
-            super()._copy_back(counts)
+            _outcome.copy_back(self.params, self.buckets, self.layout, counts,
+                               known_unused=self.find_unused, as_view=True)
         stash, self._stash = self._stash, {}
         for index, earlier in stash.items():
             param = self.params[index]
