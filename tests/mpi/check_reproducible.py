@@ -85,9 +85,22 @@ def test_every_step_is_the_one_process_run_bit_for_bit(dtype, kind):
 
 
 def test_gradients_left_from_the_step_before_are_added_as_torch_accumulates():
-    # no zero_grad(): .grad becomes the earlier gradient plus the new average
     alone = _train(MPI.COMM_SELF, torch.float64, "plain", zero_grad=False)
     assert _train(MPI.COMM_WORLD, torch.float64, "plain", zero_grad=False) == alone
+    # without zero_grad(), .grad is the earlier average plus the new one
+    ddp = mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True)
+    (x1, y1), (x2, y2) = itertools.islice(_loader(MPI.COMM_WORLD, torch.float64), 2)
+    averages = []
+    for x, y in ((x1, y1), (x2, y2)):
+        ddp.module.zero_grad()
+        _micro_steps(ddp, x, y)
+        averages.append([p.grad.clone() for p in ddp.parameters()])
+    ddp.module.zero_grad()
+    _micro_steps(ddp, x1, y1)
+    _micro_steps(ddp, x2, y2)
+    assert all(torch.equal(p.grad, second + first)
+               for p, first, second in zip(ddp.parameters(), *averages))
+    ddp.close()
 
 
 @pytest.mark.skipif(SIZE == 1, reason="needs ranks that can disagree")
