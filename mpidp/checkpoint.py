@@ -20,7 +20,9 @@ directory whose manifest lists files that all exist at their sizes.
 replicated and load at any size; ZeRO shards are re-cut (``load_sharded``);
 the sampler goes on from the same position of the epoch's global order
 (``mpidp.DistributedSampler.resume_from``), which keeps the global batches
-the same as long as the global batch (``batch_size`` x ranks) is. Rank ``r``
+the same as long as the global batch (``batch_size`` x ranks) is, whether
+the loop starts again at epoch 0 or at ``sampler.epoch`` (docs/preemption.md,
+"Which loops go on exactly"). Rank ``r``
 takes rank ``r``'s generators if the saving run had one, else generators
 seeded from ``mpidp.generators.derived_seed(step, r)``.
 
@@ -32,6 +34,7 @@ made by the constructor (registered in ``mpidp.communicators``) and freed by
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -109,6 +112,14 @@ def _load(path: str):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _restore_generators(rng) -> None:
+    """A rank's saved generator states, or the seed of a rank the saving run had not."""
+    if isinstance(rng, dict):
+        generators.restore(rng)
+    else:
+        generators.seed_all(rng)
+
+
 class Checkpointer:
     """Save and resume a training run; stop every rank at one step when a signal comes.
 
@@ -176,7 +187,10 @@ class Checkpointer:
         self.deadline, self.keep, self.every, self.exit_on_stop = float(deadline), keep, every, exit_on_stop
         self.steps = 0  # optimizer steps taken, counted by step(); the step a save records
         self.last_save_seconds: float | None = None
-        self._epoch, self._base, self._batches = None, 0, 0  # the sampler's position
+        # the sampler's position: its (epoch, passes) at the last step, where that pass
+        # began, and the batches taken since
+        self._epoch, self._pass, self._base, self._batches = None, 0, 0, 0
+        self._replay = None  # what resume() loaded that the loop may change before the position
         self._token = None  # the DDP bookkeeping last read (mpidp.preemption.agreed_by)
         if signals:
             preemption.arm(signals)
@@ -264,8 +278,9 @@ class Checkpointer:
         """
         self.steps += 1
         if self.sampler is not None:
-            if self.sampler.epoch != self._epoch:
-                self._epoch, self._base, self._batches = self.sampler.epoch, 0, 0
+            where = (self.sampler.epoch, self.sampler.passes)
+            if where != (self._epoch, self._pass):  # a new pass: it began at sampler.start
+                (self._epoch, self._pass), self._base, self._batches = where, self.sampler.start, 0
             self._batches += batches
         stop = self._stop_agreed()
         if stop or (self.every and self.steps % self.every == 0):
@@ -301,9 +316,11 @@ class Checkpointer:
         if self.sampler is None:
             return None
         epoch = self.sampler.epoch if self._epoch is None else self._epoch
-        return {"epoch": epoch, "start": self._base + self._batches * self.batch_size * self.world,
+        return {"epoch": epoch, "pass": max(self._pass - 1, 0),
+                "start": self._base + self._batches * self.batch_size * self.world,
                 "global_batch": self.batch_size * self.world, "seed": self.sampler.seed,
-                "samples": len(self.sampler.dataset), "shuffle": self.sampler.shuffle}
+                "samples": len(self.sampler.dataset), "shuffle": self.sampler.shuffle,
+                "rewound": self.sampler.rewound}
 
     # -- save ----------------------------------------------------------------------------
 
@@ -416,6 +433,15 @@ class Checkpointer:
     def resume(self) -> int:
         """Load the newest whole checkpoint, if any, on every rank (collective).
 
+        With a sampler, the loop may start over from its top: its epochs before
+        the checkpoint's yield nothing (``DistributedSampler.resume_from``), and
+        when it reaches the checkpoint's position, the scheduler, scaler,
+        ``extra``, the optimizer's hyperparameters (``lr``, ...) and every
+        rank's generators are loaded again, so that what the loop did to them
+        on its way (a scheduler stepped per epoch, ``iter(loader)``'s draw)
+        leaves no trace. The model and the optimizer's state change only in
+        steps, and are loaded once.
+
         Returns:
             The step it was saved at (0, and nothing loaded, if there is none);
             ``self.steps`` goes on from there.
@@ -423,7 +449,7 @@ class Checkpointer:
         Raises:
             ValueError, RuntimeError, OSError: on every rank, if any rank could not
             load it (a model or optimizer of another shape, a global batch that
-            ``batch_size`` x ranks no longer gives).
+            ``batch_size`` x ranks no longer gives, a run whose epochs went back).
         """
         found = None
         if self.rank == 0:
@@ -441,6 +467,10 @@ class Checkpointer:
         agreement.agree(self._comm, error, f"Checkpointer.resume() from {path}: did every rank load it?")
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self.optimizer.load_sharded(path)  # collective, at any number of ranks
+        if self._replay is not None:  # the hyperparameters loaded (by load_sharded too)
+            self._replay["groups"] = copy.deepcopy(
+                [{key: value for key, value in group.items() if key != "params"}
+                 for group in getattr(self.optimizer, "param_groups", ())])
         self.steps = manifest["step"]
         self._token = None
         return self.steps
@@ -456,6 +486,13 @@ class Checkpointer:
                 if position[key] != now:
                     raise ValueError(f"the sampler's {key} is {now!r}, the checkpoint's "
                                      f"{position[key]!r}: not the same data order")
+            if position.get("rewound"):
+                raise ValueError(
+                    "the checkpoint's run called set_epoch with an epoch below one it had "
+                    f"trained (epochs that repeat, as set_epoch(epoch % k)), then stopped in "
+                    f"epoch {position['epoch']}: a resume cannot tell which of its passes over "
+                    f"that epoch it was. Give every epoch a number of its own that only grows "
+                    f"(set_epoch(epoch), counted on)")
             if position["global_batch"] != self.batch_size * self.world:
                 raise ValueError(
                     f"the checkpoint's global batch is {position['global_batch']} samples "
@@ -465,16 +502,35 @@ class Checkpointer:
         self._module().load_state_dict(_load(os.path.join(path, "model.pt")))
         if self.optimizer is not None and not isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self.optimizer.load_state_dict(train["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(train["scheduler"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(train["scaler"])
-        for name, obj in self.extra.items():
-            obj.load_state_dict(train["extra"][name])
-        if self.sampler is not None:
-            self.sampler.resume_from(position["epoch"], position["start"])
-            self._epoch, self._base, self._batches = position["epoch"], position["start"], 0
+        self._load_small(train)
         if self.rank < manifest["world"]:
-            generators.restore(_load(os.path.join(path, f"rng-rank{self.rank:05d}.pt")))
+            rng = _load(os.path.join(path, f"rng-rank{self.rank:05d}.pt"))
         else:
-            generators.seed_all(generators.derived_seed(manifest["step"], self.rank))
+            rng = generators.derived_seed(manifest["step"], self.rank)
+        _restore_generators(rng)
+        if self.sampler is not None:
+            self._replay = {"rng": rng, **copy.deepcopy(
+                {key: train.get(key) for key in ("scheduler", "scaler", "extra")})}
+            epoch, passes = position["epoch"], position.get("pass", 0)
+            self.sampler.resume_from(epoch, position["start"], passes=passes,
+                                     reached=self._load_again)
+            self._epoch, self._pass = epoch, passes + 1  # that pass, once the loop is back at it
+            self._base, self._batches = position["start"], 0
+
+    def _load_again(self) -> None:
+        """Load again what the loop may have changed on its way to the position (local;
+        the sampler calls it as the pass at the position begins)."""
+        replay, self._replay = self._replay, None
+        for group, saved in zip(getattr(self.optimizer, "param_groups", ()), replay["groups"]):
+            group.update(saved)
+        self._load_small(replay)
+        _restore_generators(replay["rng"])
+
+    def _load_small(self, states: Mapping) -> None:
+        """The scheduler's, the scaler's and ``extra``'s states (local)."""
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(states["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(states["scaler"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(states["extra"][name])

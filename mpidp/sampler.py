@@ -217,7 +217,8 @@ class DistributedSampler(_TorchDistributedSampler):
         return len(range(self.start + self.rank, self._global_size(), self.num_replicas))
 
     def _global_size(self) -> int:
-        return self.total_size if (self.pad or self.drop_last) else len(self.dataset)
+        whole = self.pad or self.drop_last or self.micro_batches is not None
+        return self.total_size if whole else len(self.dataset)
 
     def global_order(self) -> list[int]:
         """This epoch's sample indices in the order the ranks are dealt them (as torch's)."""

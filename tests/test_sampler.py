@@ -78,16 +78,90 @@ def test_resume_at_another_size_keeps_the_global_batches(before, after):
     assert sorted(sum(uninterrupted, [])) == list(range(60))
 
 
-def test_another_epoch_starts_from_its_beginning_and_a_bad_start_is_refused():
+def test_a_resume_skips_the_epochs_before_and_a_bad_position_is_refused():
     sampler = mpidp.DistributedSampler(range(20), num_replicas=2, rank=1, seed=3)
     sampler.resume_from(4, 6)
-    assert len(sampler) == 7
-    sampler.set_epoch(5)
+    assert sampler.epoch == 4 and len(sampler) == 7
+    sampler.set_epoch(3)  # an epoch dealt before the stop: nothing
+    assert len(sampler) == 0 and list(sampler) == []
+    sampler.set_epoch(4)
+    assert len(sampler) == 7 and len(list(sampler)) == 7
+    sampler.set_epoch(5)  # reached: the next epoch from its beginning
     assert sampler.start == 0 and len(sampler) == 10
     with pytest.raises(ValueError, match="start must be a multiple of num_replicas=2"):
         sampler.resume_from(0, 3)
     with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
         sampler.resume_from(-1, 0)
+    with pytest.raises(ValueError, match="passes must be"):
+        sampler.resume_from(0, 2, passes=-1)
+
+
+def _passes(sampler, loop, epochs=3) -> list[tuple[int, list[int]]]:
+    """(epoch, indices) of each pass that ``loop`` makes over ``sampler``, empty ones left out."""
+    dealt = []
+    for epoch in loop(sampler, epochs):
+        indices = list(sampler)
+        if indices:
+            dealt.append((sampler.epoch, indices))
+    return dealt
+
+
+def _readme(sampler, epochs):
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        yield epoch
+
+
+def _from_sampler_epoch(sampler, epochs):
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)
+        yield epoch
+
+
+def _no_set_epoch(sampler, epochs):
+    yield from range(epochs)
+
+
+@pytest.mark.parametrize("loop", [_readme, _from_sampler_epoch, _no_set_epoch])
+@pytest.mark.parametrize("stop", [(0, 0, 4), (1, 0, 0), (1, 0, 8), (1, 0, 12), (2, 0, 10)])
+def test_each_loop_goes_on_from_the_position(loop, stop):
+    """The loop runs again from its top: what it deals equals the uninterrupted run's rest."""
+    epoch, _, start = stop
+    make = lambda: mpidp.DistributedSampler(range(12), num_replicas=2, rank=1, seed=3)  # noqa: E731
+    whole = _passes(make(), loop)
+    passes = epoch if loop is _no_set_epoch else 0  # every pass is over epoch 0 there
+    epoch = 0 if loop is _no_set_epoch else epoch
+    resumed = make()
+    reached = []
+    resumed.resume_from(epoch, start, passes=passes, reached=lambda: reached.append(True))
+    rest = _passes(resumed, loop)
+    k = stop[0]
+    assert rest == [(whole[k][0], whole[k][1][start // 2:])] * (start < 12) + whole[k + 1:]
+    assert reached == [True]
+
+
+def test_a_loop_that_skips_or_replays_the_resumed_epoch_is_refused():
+    sampler = mpidp.DistributedSampler(range(12), num_replicas=2, rank=0, seed=3)
+    sampler.resume_from(1, 4)
+    with pytest.raises(ValueError, match=r"set_epoch\(2\): the run was resumed in epoch 1, at "
+                                         r"sample 4 .* would skip the rest of epoch 1"):
+        sampler.set_epoch(2)
+    sampler.resume_from(1, 4)
+    list(sampler)  # the resumed epoch, begun without set_epoch, then the loop's own count
+    with pytest.raises(ValueError, match=r"set_epoch\(1\) after a pass over the resumed "
+                                         r"epoch 1, which began without set_epoch"):
+        sampler.set_epoch(1)
+
+
+def test_epochs_that_go_back_are_marked():
+    sampler = mpidp.DistributedSampler(range(12), num_replicas=2, rank=0)
+    for epoch in (0, 1, 1, 2):
+        sampler.set_epoch(epoch)
+        list(sampler)
+    assert not sampler.rewound
+    sampler.set_epoch(0)
+    list(sampler)
+    assert sampler.rewound
 
 
 @pytest.mark.parametrize("before, after", [(4, 3), (3, 2), (2, 1)])

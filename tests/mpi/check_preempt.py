@@ -6,6 +6,7 @@ with ``exit_on_stop=False`` so that the launch goes on to the next test
 (tests/test_preemption.py launches the example and checks its exit status).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -18,9 +19,10 @@ import pytest
 import torch
 from mpi4py import MPI
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import mpidp
-from mpidp import preemption
+from mpidp import preemption, stacks
 from mpidp.checkpoint import latest_checkpoint
 
 COMM = MPI.COMM_WORLD
@@ -305,3 +307,222 @@ def test_torchs_ddp_stops_at_the_same_step_and_saves_the_unwrapped_module(direct
     for name, value in ddp.module.state_dict().items():
         assert torch.equal(saved[name], value)
     checkpointer.close()
+
+
+# -- the loop runs again from its top after a resume: which loops go on exactly ------------
+#
+# Each run trains DDP over 48 samples, a global batch of 12 (4 steps an epoch, 3 epochs),
+# with dropout drawn from torch's global generator and a DataLoader without a generator of
+# its own (iter(loader) draws from that generator too), and an LR scheduler stepped at the
+# end of each epoch: what the loop does on its way back to the checkpoint's position must
+# leave no trace. Each step records its global batch's sample indices, its loss over the
+# ranks and the learning rate; a run stopped by a signal and resumed must record what the
+# uninterrupted one did and end with its parameters.
+
+EPOCHS, GLOBAL_BATCH, SAMPLES = 3, 12, 48
+STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH
+
+
+class _Run:
+    """One training run over mpidp's world (runtime.world()), from scratch or resumed."""
+
+    def __init__(self, directory: str, *, dropout: float = 0.25, stop_at: int | None = None,
+                 signum: int = signal.SIGTERM):
+        self.world = mpidp.runtime.world()
+        data = torch.Generator().manual_seed(11)
+        inputs = torch.randn(SAMPLES, 4, generator=data, dtype=torch.float64)
+        dataset = TensorDataset(inputs, inputs.sum(1, keepdim=True).sin(), torch.arange(SAMPLES))
+        self.sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=5, drop_last=True)
+        batch_size = GLOBAL_BATCH // self.world.Get_size()
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler)
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(dropout),
+                               nn.Linear(8, 1)).double()
+        self.ddp = mpidp.DistributedDataParallel(module)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        self.checkpointer = mpidp.Checkpointer(
+            directory, model=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
+            sampler=self.sampler, batch_size=batch_size, exit_on_stop=False)
+        self.checkpointer.resume()
+        self.stop_at, self.signum, self.records = stop_at, signum, []
+
+    def step(self, batch) -> bool:
+        """One optimizer step; True if the ranks stopped at it (its checkpoint saved)."""
+        x, y, index = batch
+        step = self.checkpointer.steps + 1
+        if step == self.stop_at and self.world.Get_rank() == self.world.Get_size() - 1:
+            os.kill(os.getpid(), self.signum)  # before the backward: its bookkeeping carries it
+        self.optimizer.zero_grad()
+        loss = nn.functional.mse_loss(self.ddp(x), y)
+        loss.backward()
+        self.optimizer.step()
+        shares = self.world.allgather((index.tolist(), loss.item()))
+        self.records.append((step, sorted(sum((share for share, _ in shares), [])),
+                             sum(loss for _, loss in shares) / len(shares),
+                             self.optimizer.param_groups[0]["lr"]))
+        return self.checkpointer.step()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.ddp.parameters()]
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        preemption.clear()
+
+
+def _readme_loop(run: _Run) -> bool:
+    """The README's loop, a scheduler stepped per epoch; True if it stopped."""
+    for epoch in range(EPOCHS):
+        run.sampler.set_epoch(epoch)
+        for batch in run.loader:
+            if run.step(batch):
+                return True
+        run.scheduler.step()
+    return False
+
+
+def _while_loop(run: _Run) -> bool:
+    """docs/preemption.md's loop: epochs from sampler.epoch, until the steps are done."""
+    epoch = run.sampler.epoch
+    while run.checkpointer.steps < STEPS:
+        run.sampler.set_epoch(epoch)
+        for batch in run.loader:
+            if run.step(batch):
+                return True
+        run.scheduler.step()
+        epoch += 1
+    return False
+
+
+def _no_set_epoch_loop(run: _Run) -> bool:
+    """A loop that never calls set_epoch: every pass over epoch 0."""
+    while run.checkpointer.steps < STEPS:
+        for batch in run.loader:
+            if run.step(batch):
+                return True
+        run.scheduler.step()
+    return False
+
+
+def _run(directory, loop, **options) -> _Run:
+    run = _Run(directory, **options)
+    stopped = loop(run)
+    assert stopped == (options.get("stop_at") is not None)
+    run.close()
+    return run
+
+
+@pytest.fixture
+def sigterm_of_the_test():
+    """SIGTERM, outside a Checkpointer, has a handler of this test's own.
+
+    Otherwise it has mpidp.stacks' (whose default ends the process), and the stall
+    watchdog's thread, finding the stacks that faulthandler wrote at a stop's SIGTERM,
+    ends the rank with status 143 if it finds that handler back (stacks.poll): it reads
+    whether the handlers changed before it writes the flight record, and which handler
+    SIGTERM has after, so a Checkpointer closed in between (a stop, then close() within
+    its look) is taken for a rank that SIGTERM ends.
+    """
+    def unexpected(signum, _frame):
+        raise AssertionError(f"{signal.Signals(signum).name} outside a Checkpointer")
+
+    previous = signal.signal(signal.SIGTERM, unexpected)
+    stacks.rearm()
+    yield
+    signal.signal(signal.SIGTERM, previous)
+    stacks.rearm()
+
+
+@contextlib.contextmanager
+def _world_of(size: int):
+    """mpidp over the launch's first ``size`` ranks only, as after a heal; True on those."""
+    sub = COMM.Split(0 if RANK < size else MPI.UNDEFINED, RANK)
+    try:
+        if sub != MPI.COMM_NULL:
+            mpidp.runtime.set_world(sub)
+        yield sub != MPI.COMM_NULL
+    finally:
+        if sub != MPI.COMM_NULL:
+            mpidp.runtime._world.clear()  # back to MPI.COMM_WORLD
+            sub.Free()
+        COMM.Barrier()
+
+
+# (stop at step, the loop that stops, the loop that resumes, the signal): mid-epoch, an
+# epoch's last step and the next epoch's first, the first step and the last, at 2 ranks and
+# at 3; a checkpoint is the same whatever loop wrote it
+STOPS = {2: [(4, _readme_loop, _readme_loop, signal.SIGUSR1),
+             (7, _readme_loop, _readme_loop, signal.SIGTERM),
+             (9, _readme_loop, _while_loop, signal.SIGTERM),
+             (5, _while_loop, _while_loop, signal.SIGUSR1),
+             (7, _no_set_epoch_loop, _no_set_epoch_loop, signal.SIGTERM)],
+         3: [(6, _readme_loop, _readme_loop, signal.SIGUSR1),
+             (12, _readme_loop, _readme_loop, signal.SIGTERM),
+             (1, _while_loop, _while_loop, signal.SIGTERM),
+             (8, _while_loop, _while_loop, signal.SIGUSR1),
+             (10, _while_loop, _readme_loop, signal.SIGUSR1)]}
+
+
+def test_the_readme_loop_and_a_while_loop_resume_bit_for_bit(directory, sigterm_of_the_test):
+    references = {}
+    for stop_at, loop, resume_loop, signum in STOPS.get(SIZE, STOPS[2]):
+        shape = loop is _no_set_epoch_loop
+        if shape not in references:
+            reference = _run(directory, loop)
+            references[shape] = reference.records, reference.parameters()
+        records, parameters = references[shape]
+        path = os.path.join(directory, f"{stop_at}-{loop.__name__}")
+        first = _run(path, loop, stop_at=stop_at, signum=signum)
+        assert [r[0] for r in first.records] == list(range(1, stop_at + 1))
+        second = _run(path, resume_loop)
+        what = (stop_at, loop.__name__, resume_loop.__name__)
+        assert first.records + second.records == records, what
+        assert all(torch.equal(got, want)
+                   for got, want in zip(second.parameters(), parameters)), what
+
+
+def test_both_loops_resume_at_another_rank_count(directory, sigterm_of_the_test):
+    """Saved at one rank fewer than the launch, resumed at the launch's count: the same global
+    batches, the losses and parameters to float summation noise (no dropout: each rank's
+    generator draws for its own samples). The README's loop at 2 ranks, the while loop at 3."""
+    stop_at, loop = (8, _while_loop) if SIZE == 3 else (6, _readme_loop)
+    reference = _run(os.path.join(directory, "reference"), loop, dropout=0.0)
+    with _world_of(SIZE - 1) as member:
+        if member:
+            first = _run(directory, loop, dropout=0.0, stop_at=stop_at).records
+    first = COMM.bcast(first if RANK == 0 else None)
+    second = _run(directory, loop, dropout=0.0)
+    records = first + second.records
+    assert [r[:2] for r in records] == [r[:2] for r in reference.records]
+    for (_, _, loss, lr), (_, _, want, want_lr) in zip(records, reference.records):
+        assert lr == want_lr and abs(loss - want) <= 1e-12 * abs(want), (loss, want)
+    for got, want in zip(second.parameters(), reference.parameters()):
+        assert torch.allclose(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_loop_that_would_skip_or_replay_an_epoch_is_refused_on_every_rank(directory,
+                                                                            sigterm_of_the_test):
+    _run(directory, _readme_loop, stop_at=6)  # saved in epoch 1
+    run = _Run(directory)
+    with pytest.raises(ValueError, match=r"set_epoch\(2\): .* resumed in epoch 1.*range\(epochs\)"):
+        run.sampler.set_epoch(2)  # for epoch in range(sampler.epoch + 1, ...)
+    run.close()
+    run = _Run(directory)
+    for batch in run.loader:  # the resumed epoch, begun without set_epoch ...
+        run.step(batch)
+    with pytest.raises(ValueError, match=r"set_epoch\(1\) after a pass over the resumed epoch 1"):
+        run.sampler.set_epoch(1)  # ... then the loop's own count: epoch 1 again
+    run.close()
+
+
+def test_a_run_whose_epochs_went_back_is_not_resumed(directory):
+    run = _Run(directory)
+    for epoch in (0, 1, 0):  # set_epoch(epoch % 2)
+        run.sampler.set_epoch(epoch)
+        for batch in run.loader:
+            run.step(batch)
+    run.checkpointer.save()
+    run.close()
+    with pytest.raises(ValueError, match=r"set_epoch with an epoch below one it had trained"):
+        _Run(directory)
