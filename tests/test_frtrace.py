@@ -46,7 +46,7 @@ def _torch_reads(out, caplog) -> list[dict]:
     return torch_findings("\n".join(caplog.messages))
 
 
-def _agree(finding: dict, torch_first: dict) -> None:
+def agree(finding: dict, torch_first: dict) -> None:
     """Torch's first finding is trace's first: the same collective, the same rank(s)."""
     assert torch_first["group"][0] == finding["comm"], (torch_first, finding["lines"])
     assert torch_first["seq"] == finding["seq"], (torch_first, finding["lines"])
@@ -69,7 +69,7 @@ def test_torch_analyzer_names_the_collective_and_rank_trace_names_first(data, tm
     found = _torch_reads(tmp_path / "fr", caplog)
     first = trace.analyse(trace.load(str(folder)))[0]
     assert found and first["kind"] == "missing", caplog.text
-    _agree(first, found[0])
+    agree(first, found[0])
     assert found[1]["missing"] == {3} and not any("error" in f for f in found), found
 
 
@@ -110,7 +110,7 @@ def test_a_root_that_differs_is_a_divergence_for_torch_too(tmp_path, caplog):
     found = _torch_reads(tmp_path / "fr", caplog)
     first = trace.analyse(trace.load(str(folder)))[0]
     assert first["kind"] == "differ" and first["seq"] == 2, first
-    _agree(first, found[0])
+    agree(first, found[0])
     assert "COLLECTIVE_DTYPE_MISMATCH" in found[0]["error"] and "root=1" in found[0]["error"]
     assert len(found) == 1, caplog.text  # the allreduce before it agrees
     assert found[0]["group"] == [KEY, "owner seen by rank 0"], found  # one description
@@ -130,7 +130,7 @@ def test_the_rank_that_made_the_first_collective_leads_torchs_walk(tmp_path, cap
     assert Path(paths[0]).name == f"{frtrace.PREFIX}1" and Path(paths[0]).parent.name == "fr"
     first = trace.analyse(trace.load(str(folder)))[0]
     assert first["comm"] == KEY and first["absent"] == [0], first
-    _agree(first, _torch_reads(tmp_path / "fr", caplog)[0])
+    agree(first, _torch_reads(tmp_path / "fr", caplog)[0])
 
 
 def test_only_the_collectives_every_rank_still_holds_are_written(tmp_path, caplog):

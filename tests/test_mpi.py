@@ -15,6 +15,7 @@ import torch
 
 import launch
 import test_doctor as doctor_tests
+import test_frtrace
 import test_horovod_suite as hvd_suite
 
 # (file, world sizes); 4 ranks run oversubscribed on a 2-core machine.
@@ -306,6 +307,21 @@ def _trace(folder) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def _torch_names_what_trace_names(folder, out) -> None:
+    """The records in torch's format (``python -m mpidp trace DIR --torch-fr OUT``: its command
+    line runs in tests/test_frtrace.py), read by torch's own analyzer as a user runs it: its
+    first finding is trace's first, the same collective and rank(s)."""
+    from mpidp import frtrace, trace
+    frtrace.export(str(folder), str(out))
+    script = Path(sys.executable).parent / "torchfrtrace"
+    command = [str(script)] if script.exists() else \
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
+    read = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=120)
+    found = test_frtrace.torch_findings(read.stdout + read.stderr)
+    assert read.returncode == 0 and found, read.stdout + read.stderr
+    test_frtrace.agree(trace.analyse(trace.load(str(folder)))[0], found[0])
+
+
 def _findings(output: str) -> list[str]:
     """The numbered findings of a trace and their indented lines, one string each."""
     found: list[str] = []
@@ -343,6 +359,8 @@ def test_watchdog_names_a_rank_that_skipped_a_collective(nprocs, tmp_path):
                if f"by {others}: allreduce op=sum count=4 dtype=float32" in f]
     assert len(skipped) == 1 and "never arrived on ranks 0-" in skipped[0], output
     assert "    rank 1 never started it" in skipped[0], output
+    if nprocs == 2:
+        _torch_names_what_trace_names(tmp_path, tmp_path / "torch-fr")
     assert f"rank 1: allreduce op=max count=1 dtype=int64 on ranks 0-{nprocs - 1} (not made by " \
         f"mpidp) #0, collective #1" in output, output
     # the summary carries each rank's stack, down to the line of stall.py
@@ -364,6 +382,7 @@ def test_trace_names_a_rank_that_issued_a_different_collective(nprocs, tmp_path)
     assert f"    {others}: allreduce op=sum count=4 dtype=float32" in first, output
     assert "    rank 1: broadcast root=0 count=4 dtype=float32" in first, output
     assert (tmp_path / "summary.txt").read_text().startswith("stall summary: ")
+    _torch_names_what_trace_names(tmp_path, tmp_path / "torch-fr")  # "Culprit rank 1"
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
