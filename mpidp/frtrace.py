@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+from typing import NamedTuple
 
 from . import trace
 
@@ -92,11 +93,13 @@ def _frames(stack: str) -> list[dict]:
             for filename, line, name in reversed(_FRAME.findall(stack))]
 
 
-class _Group:
+class _Group(NamedTuple):
     """A communicator as torch's process group: its id, name, description and ranks."""
 
-    def __init__(self, index: int, key: str, owner: str, ranks: list[int]):
-        self.index, self.key, self.owner, self.ranks = index, key, owner, ranks
+    index: int
+    key: str
+    owner: str
+    ranks: list[int]
 
 
 def _groups(ranks: dict[int, dict], held: dict) -> dict[str, _Group]:
