@@ -4,7 +4,7 @@ A check that one rank fails must end in the same error on every rank, never
 in an error on one rank while the others walk into the next collective and
 wait forever. The rule: each rank computes its own verdict (an error or
 None), one 4-byte allreduce says whether any rank failed, and only then do
-the messages travel, so the usual case costs one small allreduce (docs/performance.md, "Figures
+the messages travel, so the usual case costs one small allreduce (docs/performance-comm.md, "Figures
 behind the code's choices"). Every call here is a collective on ``comm``,
 started through the engine (``handle.collective``: recorded by the stall
 watchdog under ``label``, its MPI errors mapped, driven on the progress thread).

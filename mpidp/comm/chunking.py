@@ -8,7 +8,7 @@ goes in.
 MPI's shared-memory allreduce slows down past a few MiB (its bounce buffers
 overflow the caches), so every large reduction mpidp makes goes chunk by
 chunk: DDP's buckets under every overlap strategy (``chunk_mb``), the comm
-hooks, and the torch.distributed backend's all_reduce (docs/performance.md, "Figures behind the code's choices").
+hooks, and the torch.distributed backend's all_reduce (docs/performance-comm.md, "Figures behind the code's choices").
 
 Division by the number of ranks lives here too (``divide``), with its one
 rule: mpidp divides before the sum, as torch's DDP and its comm hooks do (an

@@ -16,7 +16,7 @@ allreduce needs no message at all, only MPI barriers:
 Each rank reads its slice of every bucket and writes its slice of every
 bucket: 2S bytes per rank for an S-byte bucket, which is the least an
 allreduce can move through memory. MPICH's own shared-memory allreduce copies
-the data through its cells several times (the figures: docs/performance.md,
+the data through its cells several times (the figures: docs/performance-comm.md,
 "Figures behind the code's choices"). Every rank gets the same bits, since one rank
 computes each sum.
 

@@ -22,7 +22,7 @@ the DDP's own settings: every rank must give a gradient to the same parameters, 
 user's to avoid (a rank that skips one leaves the others waiting; the stall watchdog names
 it); no comm hook. There is no bucketing and no overlap with the
 backward pass: one blocking allreduce per parameter. The cost is measured in
-docs/performance.md. A step under compiled autograd does no bookkeeping sum, so a
+docs/performance-ddp.md. A step under compiled autograd does no bookkeeping sum, so a
 Checkpointer agrees on a stop with an allreduce of its own (``mpidp.preemption.agreed_by``).
 """
 

@@ -160,7 +160,7 @@ def reducer_options(options: dict, overlap: str, shared) -> dict:
         shared: the shared-memory node the buckets will live in, or None.
     """
     solo = options["inplace_threshold_mb"]
-    if solo == "auto":  # measured: docs/performance.md, "Shared-memory reduction"
+    if solo == "auto":  # measured: docs/performance-ddp.md, "Shared-memory reduction"
         solo = None if shared is not None and options["gradient_as_bucket_view"] else _INPLACE_MB
     return dict(bucket_cap_bytes=int(options["bucket_cap_mb"] * _MB),
                 first_bucket_bytes=int(options["first_bucket_mb"] * _MB),

@@ -16,7 +16,7 @@ reduce-scatters each (input chunk, output shard) pair instead:
 
 With every core computing, a communication thread only adds scheduling jitter,
 and MPICH's nonblocking allreduce moves data more slowly than its blocking one:
-"inline" beat both on CPU (docs/performance.md, the sweeps), so it is the
+"inline" beat both on CPU (docs/performance-ddp.md, the sweeps), so it is the
 default there.
 
 Buffers larger than ``chunk_bytes`` are reduced in chunks: MPI shared-memory

@@ -108,7 +108,7 @@ def _create(common, options):
     _runtime.require_mpi()
     _runtime.keep_out_of_torch_compile(ProcessGroupMPIDP, _ENTRY_POINTS)
     # what a compiled caller waits on; Done and All hold nothing dynamo cannot trace, and
-    # each mark costs a call about 0.4 us (docs/performance.md)
+    # each mark costs a call about 0.4 us (docs/performance-comm.md)
     _runtime.keep_out_of_torch_compile(_work.Work, _WORK_METHODS)
     world = MPI.COMM_WORLD
     members = list(common.global_ranks_in_group)

@@ -89,7 +89,7 @@ class Chunks:
 
         MPICH moves a large nonblocking allreduce on only inside a test, and the
         progress loop yields the core between two of its rounds (time.sleep(0)), which
-        slowed each chunk several times over (docs/performance.md, "Figures behind the code's choices"). A burst is still bounded: the
+        slowed each chunk several times over (docs/performance-comm.md, "Figures behind the code's choices"). A burst is still bounded: the
         progress thread never blocks (docs/concurrency.md, rule 3). Where a node holds
         more ranks than cores, a burst keeps a core from the peer whose turn it is, so
         ``set_burst`` turns it off there.

@@ -400,7 +400,7 @@ def wait_request(handle: _comm.Handle, deadline: float | None) -> None:
 
     MPI has no timed wait, so this tests the request: without sleeping for
     ``_SPIN_SECONDS`` (a nonblocking collective moves only inside MPI calls, and a
-    sleep between tests stalls it: docs/performance.md, "Figures behind the code's choices"), then sleeping from 20 us doubling to
+    sleep between tests stalls it: docs/performance-comm.md, "Figures behind the code's choices"), then sleeping from 20 us doubling to
     1 ms, so a rank that waits on a late peer does not hold a core.
     """
     if deadline is None:
