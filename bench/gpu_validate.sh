@@ -182,7 +182,7 @@ horovod)
     for ranks in ${HVD_RANKS:-$sizes}; do
         if [ -n "${HVD_LIST:-}" ]; then  # every failure, listed (bench/horovod_suite_failures.sh)
             # at 3 ranks no float16 output can pass the three float16 prescale tests
-            # (docs/horovod.md): deselected there, to count the others
+            # (docs/horovod-tests.md): deselected there, to count the others
             f16=; [ "$ranks" = 3 ] && f16=test_horovod_allreduce_prescale,test_horovod_reducescatter_prescale,test_horovod_grouped_reducescatter_prescale
             env HOROVOD_SUITE="$suite" PY=$py MPIEXEC=$launcher RANKS=$ranks ROUNDS=${HVD_ROUNDS:-4} \
                 HVD_DESELECT=$f16 \

@@ -11,7 +11,7 @@ failure ends the launch at once instead of leaving the other ranks waiting.
 Expected: every test real Horovod passes on CPU passes on every rank; the tests that
 need a GPU or Horovod's gloo controller skip (they are the suite's own skips); the
 three that fail on real Horovod too (torch 2.13's Muon) are deselected.
-docs/horovod.md lists them with their reasons.
+docs/horovod-tests.md lists them with their reasons.
 
 Horovod's two PyTorch examples (``examples/pytorch`` there) run unchanged too, in the
 launch of the 2-rank examples (tests/test_mpi.py): they import torchvision, which has no CPU build for this torch, and get
@@ -53,7 +53,7 @@ NEED_TWO_GPUS_PER_RANK = ["test_horovod_allreduce_multi_gpu", "test_model_parall
 NEED_TWO_RANKS = ["test_horovod_allreduce_cpu_gpu_error", "test_model_parallelism",
                   "test_delta_optimizer"]
 # At 3 ranks, tests whose reference no result can meet, and which fail on some ranks only
-# (the others would wait in the test's next collective): left out there (docs/horovod.md).
+# (the others would wait in the test's next collective): left out there (docs/horovod-tests.md).
 # Three compare float16 results with 3 x computed in float32 at tolerance 0; at rank 1
 # SyncBatchNorm's output is 0 and torch's BatchNorm1d's, the reference, 6e-8 of rounding.
 NOT_AT_3_RANKS = ["test_horovod_allreduce_prescale", "test_horovod_reducescatter_prescale",

@@ -136,7 +136,7 @@ def _begin(tensors, inplace: bool, op, average, name, prescale_factor, postscale
     divisor = process_set.data.Get_size() if op == Average else 1
     # a plain Average divides (Horovod's rounding: it scales in float64); a DistributedOptimizer
     # bucket (strategy given) is multiplied by 1 / size instead: with each rank's mean's 1 / B
-    # that reproduces one process's mean over n B (docs/horovod.md, "Same result as one process")
+    # that reproduces one process's mean over n B (docs/horovod-tests.md, "Same result as one process")
     scale = (postscale_factor / divisor, 1) if strategy is not None else (postscale_factor, divisor)
     detail = _detail(op, prescale_factor, postscale_factor)
     direct = strategy if op in (Average, Sum) else None  # scaled after the sum, as Horovod does
