@@ -21,8 +21,9 @@ A slot is reused after ``MPIDP_TRACE_ENTRIES`` later collectives; an end that
 arrives after that is dropped (its ticket no longer matches).
 
 **Files.** ``dump(reason)`` writes ``rank-NNNNN.json`` (the ring, oldest first,
-every communicator's key and owner, what each thread waits in and every
-thread's Python stack) into ``directory()``: ``MPIDP_TRACE_DIR``, by default
+every communicator's key and owner, what each thread waits in, every
+thread's Python stack, and the ranks this one heard finish: ``heard_ended``)
+into ``directory()``: ``MPIDP_TRACE_DIR``, by default
 ``mpidp-trace-<job>`` in the working directory, where ``<job>`` is the
 scheduler's job id (Slurm, PBS, LSF, Flux, Open MPI's PMIx namespace) or, under
 a bare ``mpiexec``, a name rank 0 chose at import (``set_job``). mpidp dumps on
@@ -63,8 +64,8 @@ import traceback
 
 from . import communicators, settings
 
-__all__ = ["close_box", "dump", "directory", "enabled", "entries", "ended", "open_box",
-           "read_box", "started", "write"]
+__all__ = ["close_box", "dump", "directory", "enabled", "entries", "ended", "heard_ended",
+           "open_box", "read_box", "started", "write"]
 
 _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "PMIX_NAMESPACE")
 _FORMAT = 1  # the files' layout; mpidp.trace refuses others
@@ -118,6 +119,12 @@ _anchor = (time.time(), time.monotonic())  # the wall clock at one monotonic ins
 _dump_lock = threading.Lock()
 _job: str | None = None
 _rank, _world = 0, 1
+_ended: dict[int, str] = {}  # other ranks that finished, as this rank heard (mpidp.watchdog)
+
+
+def heard_ended(rank: int, text: str) -> None:
+    """Keep that ``rank`` ended ("finished at train.py:42 (...)"), for the files ``dump`` writes."""
+    _ended[rank] = text
 
 
 def enabled() -> bool:
@@ -212,6 +219,7 @@ def read_box(box_path: str) -> dict | None:
     latest = max([wall] + [wall + max(e["start"], e["end"] or 0.0) - monotonic for e in found])
     return dict(format=_FORMAT, rank=rank, size=size, host=host.rstrip(b"\0").decode(), pid=pid,
                 reason="its black box (the process ended without writing its file: killed?)",
+                box=True,
                 written=latest, anchor=dict(wall=wall, monotonic=monotonic), capacity=slots,
                 waits=[], communicators={key: dict(owner=owner, issuer=None, size=None)
                                          for key, owner in owners.items()},
@@ -408,6 +416,7 @@ def dump(reason: str = "asked by the program", waits=None) -> str | None:
                         pid=os.getpid(), reason=reason, written=time.time(),
                         anchor=dict(wall=_anchor[0], monotonic=_anchor[1]),
                         capacity=_size, waits=list(waits or []),
+                        ended={str(rank): text for rank, text in sorted(_ended.items())},
                         communicators=_communicators(), entries=entries(),
                         threads=_threads())
             target = path(".json")

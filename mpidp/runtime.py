@@ -54,7 +54,7 @@ import traceback
 
 import mpi4py
 
-from . import communicators, errors, settings
+from . import communicators, errors, settings, stacks
 
 __all__ = ["rank", "size", "local_rank", "local_size", "abort_on_exception", "require_mpi",
            "thread_level", "thread_level_name", "in_multiprocessing_child", "world", "healed"]
@@ -302,6 +302,7 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
 # SystemExit and move on). A bare `raise SystemExit(3)` calls nothing mpidp can wrap.
 _main_frame = None  # the frame running __main__'s module code
 _exit_request = None  # (SystemExit.code, _main_frame.f_lasti) of the latest call
+_exit_site = ("exit", None)  # how the latest call was made, and the user's line that made it
 
 
 def _find_main_frame():
@@ -314,22 +315,23 @@ def _find_main_frame():
     return None
 
 
-def _remember(exc: SystemExit) -> None:
+def _remember(exc: SystemExit, how: str) -> None:
     if _main_frame is not None:
-        remember_exit(exc.code)
+        remember_exit(exc.code, how)
 
 
-def remember_exit(code) -> None:
+def remember_exit(code, how: str = "exit_for_requeue") -> None:
     """Record ``SystemExit(code)`` about to be raised outside ``sys.exit`` (``exit_for_requeue``)."""
-    global _exit_request
+    global _exit_request, _exit_site
     _exit_request = (code, _main_frame.f_lasti if _main_frame is not None else -1)
+    _exit_site = (how, stacks.user_site(sys._getframe(1)))
 
 
 def _exit(status=None, /):
     try:
         _python_exit(status)
     except SystemExit as exc:
-        _remember(exc)
+        _remember(exc, "sys.exit")
         raise
 
 
@@ -346,7 +348,7 @@ class _Quitter:
         try:
             self._quitter(code)
         except SystemExit as exc:
-            _remember(exc)
+            _remember(exc, getattr(self._quitter, "name", "exit"))
             raise
 
 
@@ -367,6 +369,33 @@ def _status_main_exits_with() -> int | None:
     if final != position and dis.opname[_main_frame.f_code.co_code[final]] != "RERAISE":
         return None
     return _exit_status(code)
+
+
+def ending() -> dict:
+    """How this process ends, as far as it is known at exit (``atexit``), for the ranks it
+    leaves behind (``mpidp.watchdog``).
+
+    Returns:
+        ``how`` (words: "sys.exit(0)", "exit_for_requeue(75)", "the end of the script", "an
+        uncaught ValueError"), ``status`` (the exit status) and ``where`` (file:line of the
+        user's code that ended it, None where not known).
+    """
+    error = getattr(sys, "last_value", None)  # Python sets it before atexit runs
+    if error is not None:
+        tb = sys.last_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return dict(how=f"an uncaught {type(error).__name__}", status=1,
+                    where=stacks.user_site(tb.tb_frame) if tb is not None else None)
+    if _exit_request is not None and (_main_frame is None
+                                      or _status_main_exits_with() is not None):
+        how, where = _exit_site
+        code = _exit_request[0]
+        return dict(how=f"{how}({code!r})", status=_exit_status(code), where=where)
+    where = stacks.user_site(_main_frame) if _main_frame is not None else None
+    if where is None and sys.argv and sys.argv[0].endswith(".py"):  # python -m mpidp run x.py
+        where = sys.argv[0]
+    return dict(how="the end of the script", status=0, where=where)
 
 
 def _abort_on_exit_status() -> None:
@@ -489,8 +518,11 @@ def _arm_library_exit_report() -> None:
 
 def _start() -> None:
     """What importing mpidp does in the launched process (never in a multiprocessing child)."""
+    global _main_frame
     require_mpi()
     _arm_library_exit_report()
+    if _main_frame is None:  # for ending(): where the script stood when it ended
+        _main_frame = _find_main_frame()
     atexit.register(_abort_on_exit_status)  # runs before mpi4py's MPI_Finalize
     if _abort_from_env() and size() > 1:
         abort_on_exception(True)

@@ -21,7 +21,9 @@ reduction runs in stages (the node's ranks, then across nodes), a rank late
 on one node leaves its node's ranks in the first stage and the other node's
 in the second, which the others enter first: by time alone the first finding
 named a rank that was only waiting. Then what each rank's ring shows as
-started and never completed. Reads files only: no MPI.
+started and never completed. A rank without a file of its own is named by
+what another rank heard as it finished, or by its stacks and pid files
+(``stacks.absent``). Reads files only: no MPI.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import re
 
 from .communicators import fold
 from .recorder import read_box
+from .stacks import absent
 
 __all__ = ["load", "members", "analyse", "report", "main"]
 
@@ -186,15 +189,34 @@ def _in_flight(ranks: dict[int, dict]) -> list[str]:
     return lines
 
 
+def _whereabouts(folder: str, ranks: dict[int, dict], size: int) -> list[str]:
+    """What became of the ranks that wrote no file of their own: finished or stopped (as another
+    rank heard from it), holding the GIL or dead (as their stacks and pid files say), or, with
+    no file at all, a clean exit."""
+    heard: dict[int, str] = {}
+    for data in ranks.values():
+        heard.update({int(rank): text for rank, text in data.get("ended", {}).items()})
+    lines, unknown = [], []
+    for rank in range(size):
+        if rank in ranks and not ranks[rank].get("box"):
+            continue  # it wrote its file: its reason says why
+        said = heard.get(rank) or absent(rank, folder, live=False)
+        if said:
+            lines.append(f"rank {rank}: {said}")
+        elif rank not in ranks:
+            unknown.append(rank)
+    if unknown:  # a killed rank leaves its pid file and black box: a clean exit removes them
+        lines.append(f"no file from {_rank_words(unknown)}: it exited cleanly (finished or "
+                     f"stopped), or wrote elsewhere (another node's working directory)")
+    return lines
+
+
 def report(folder: str) -> tuple[list[str], bool]:
     """The lines ``python -m mpidp trace`` prints, and whether the ranks agree."""
     ranks = load(folder)
     size = max(data["size"] for data in ranks.values())
     lines = [f"flight records of {_rank_words(sorted(ranks))} of {size} in {folder}"]
-    missing = sorted(set(range(size)) - set(ranks))
-    if missing:
-        lines.append(f"no file from {_rank_words(missing)} (dead, killed before it wrote, or "
-                     f"its GIL held: see rank-NNNNN.stacks.txt)")
+    lines += _whereabouts(folder, ranks, size)
     reasons: dict[str, list[int]] = {}
     for rank, data in ranks.items():
         reasons.setdefault(data["reason"], []).append(rank)

@@ -415,6 +415,48 @@ def test_watchdog_names_ddp_bucket_while_a_rank_is_in_user_code(nprocs, sleeper,
     idle = groups[f"rank {sleeper}"]
     assert idle.startswith("not in an mpidp collective, main thread at "), idle
     assert "time.sleep" in _source_of(idle)
+    # the waiting ranks' stacks reach the line of stall.py, below DDP's and autograd's frames
+    stack = _stack_of(result, nprocs, _rank_names(waiting))
+    line = next(n for n, text in enumerate(STALL_SOURCE, 1) if "loss.backward()" in text)
+    assert f"{STALL}:{line} in train" in stack, stack
+    assert any(frame.startswith("mpidp/ddp/") for frame in stack), stack
+
+
+def _stack_of(result, nprocs: int, ranks: str) -> list[str]:
+    """The frames the summary prints as the stack of ``ranks`` ("ranks 0, 2")."""
+    prefix = f"[mpidp rank 0/{nprocs}] "
+    lines = [line.removeprefix(prefix) for line in result.stderr.splitlines()
+             if line.startswith(prefix)]
+    start = next(n for n, line in enumerate(lines) if line.startswith(f"stack of {ranks}, "))
+    frames = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        frames.append(line.strip())
+    return frames
+
+
+def test_watchdog_and_trace_say_where_the_other_ranks_finished(tmp_path):
+    """The commonest real hang: rank 0 makes one more allreduce after the others finished, rank 1
+    at the end of the script, rank 2 by sys.exit(0), rank 3 by MPI.Finalize(). Each told rank 0
+    before it left MPI: the summary and the trace name each as finished, and where."""
+    result, _ = _stall(4, "finish", env={"MPIDP_TRACE_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    groups = _summary(result, 4)
+    assert groups["rank 0"].startswith(f"waiting in allreduce op=sum dtype=float32 count=4 at ")
+    assert "one more" in _source_of(groups["rank 0"])
+
+    def line_of(code: str) -> int:
+        return next(n for n, text in enumerate(STALL_SOURCE, 1) if text.strip() == code)
+
+    finished = {1: f"finished at {STALL}:{line_of('main()')} (the end of the script, status 0)",
+                2: f"finished at {STALL}:{line_of('sys.exit(0)')} (sys.exit(0), status 0)",
+                3: f"finished at {STALL}:{line_of('MPI.Finalize()')} (MPI_Finalize())"}
+    for rank, text in finished.items():
+        assert groups[f"rank {rank}"] == text, groups
+    _, output = _trace(tmp_path)
+    for rank, text in finished.items():
+        assert f"\nrank {rank}: {text}\n" in output, output
 
 
 def test_watchdog_report_action_prints_and_the_job_goes_on():
@@ -451,11 +493,14 @@ def test_watchdog_says_which_rank_cannot_answer(tmp_path):
     assert result.returncode != 0
     groups = _summary(result, 3)
     assert groups["ranks 0, 2"].startswith("waiting in DDP step 3 bucket 1/")
-    assert groups["rank 1"].startswith("no report (not reachable: dead, or no Python thread")
-    # faulthandler's own thread wrote its stacks, down to the line that holds the GIL
+    # faulthandler's own thread wrote its stacks, down to the line that holds the GIL, before
+    # rank 0 summarised: the summary and the trace say so, not "dead"
+    held = f"a thread of it held the GIL: faulthandler wrote its stacks to {tmp_path}/rank-00001"
+    assert groups["rank 1"].startswith(f"no report ({held}"), groups
     line = next(n for n, text in enumerate(STALL_SOURCE, 1) if "keeps the GIL" in text)
     stacks = (tmp_path / "rank-00001.stacks.txt").read_text()
     assert f'tests/mpi/stall.py", line {line} in train' in stacks, stacks
+    assert f"\nrank 1: {held}" in _trace(tmp_path)[1]
 
 
 def test_a_launcher_that_ends_the_job_leaves_every_ranks_stacks_and_record(tmp_path):
@@ -508,6 +553,8 @@ def test_a_killed_rank_leaves_its_pid_file_and_the_black_boxes_name_it(tmp_path)
             (heads, named[0])
     status, trace = _trace(tmp_path)
     assert status == 1 and "rank 1 never started it" in trace, trace + output[-3000:]
+    assert re.search(r"^rank 1: dead: process \d+ on \S+ ended without a clean exit", trace,
+                     re.M), trace
 
 
 def test_watchdog_ranks_end_the_job_when_rank_0_cannot():

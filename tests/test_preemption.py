@@ -109,11 +109,16 @@ def _check_stopped(status: int, out: str, err: str) -> int:
     return int(stopped.group(1))
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_one_step_with_status_75(runs):
+def test_sigterm_to_one_rank_stops_every_rank_at_one_step_with_status_75(runs, tmp_path,
+                                                                         monkeypatch):
     base, reference = runs
     directory = base / "stopped"
+    traces = tmp_path / "trace"
+    monkeypatch.setenv("MPIDP_TRACE_DIR", str(traces))  # _launch passes os.environ on
     status, out, err = _launch(2, directory, "--pace", "0.05", signal_after=6)
     stopped = _check_stopped(status, out, err)
+    # a stop is no error: the stacks and flight record SIGTERM wrote are gone with the ranks
+    assert not traces.exists(), sorted(path.name for path in traces.iterdir())
     assert 6 <= stopped < STEPS
     assert re.search(rf"stopped at step {stopped} \(rank [01]: SIGTERM\)", out), out[-2000:]
     first = _losses(out)

@@ -421,6 +421,24 @@ def test_trace_reads_the_black_box_of_a_rank_killed_before_it_wrote():
                                        "count=8320 dtype=float32"), lines
 
 
+def test_trace_tells_a_stopped_rank_from_a_dead_one_and_from_a_clean_exit(tmp_path):
+    """A rank that wrote no file of its own is named by what another rank heard from it as it
+    left (stopped, and where), by the pid file a clean exit removes (dead), or, having left
+    nothing at all, as a clean exit (a killed rank leaves its pid file and black box)."""
+    import json
+
+    from mpidp import trace
+    record = json.loads((ROOT / "tests" / "data" / "trace-two-nodes" / "rank-00000.json").read_text())
+    record["ended"] = {"1": "stopped at train.py:60 (exit_for_requeue(75), status 75)"}
+    (tmp_path / "rank-00000.json").write_text(json.dumps(record))
+    (tmp_path / "rank-00002.pid").write_text("mpidp rank 2/4, pid 4242 on n1\n")
+    lines, _ = trace.report(str(tmp_path))
+    assert lines[1:4] == ["rank 1: stopped at train.py:60 (exit_for_requeue(75), status 75)",
+                          "rank 2: dead: process 4242 on n1 ended without a clean exit (killed?)",
+                          "no file from rank 3: it exited cleanly (finished or stopped), or wrote "
+                          "elsewhere (another node's working directory)"], lines
+
+
 def test_black_box_round_trip_and_a_clean_close(tmp_path, monkeypatch):
     """What started() and ended() write into the box is what read_box() gives back: ended
     collectives with their end, one in flight without; close_box() removes both files."""

@@ -57,7 +57,13 @@ check and every error agreement (``mpidp.comm.agreement``) are recorded; raw mpi
 calls and the payload transfers of ``mpidp.objects`` are not, and a rank stuck
 there reads as "not in an mpidp collective".
 A rank whose watchdog thread never started (it made no recorded call and
-nothing called ``start()``) cannot answer. Several threads in mpidp calls at
+nothing called ``start()``) cannot answer.
+
+**Finished ranks.** At exit, before MPI_Finalize (or inside a program's own
+``MPI.Finalize()``, through an attribute of ``MPI_COMM_SELF``), each rank tells
+the others over the channel where it finished (``runtime.ending()``: the
+user's line of ``sys.exit``, ``exit_for_requeue``, ``MPI.Finalize()``, or the
+end of the script), so a summary names it as finished, not as silent. Several threads in mpidp calls at
 once: the line names the one that has waited longest. The abort status is
 ``ABORT_STATUS`` (124, as GNU ``timeout``).
 """
@@ -246,6 +252,7 @@ def start() -> None:
         return
     _channel = _open_channel(world, first=True)
     _ensure_thread()
+    _arm_finalize_hook()
 
 
 def _open_channel(world: MPI.Intracomm, first: bool = False) -> "stall_report.Channel | None":
@@ -261,7 +268,8 @@ def _open_channel(world: MPI.Intracomm, first: bool = False) -> "stall_report.Ch
         _recorder.set_job(job, world.Get_rank(), world.Get_size())
         _stacks.arm(world.Get_rank(), world.Get_size())
     if runtime.thread_level() >= MPI.THREAD_MULTIPLE:
-        return stall_report.Channel(comm, _state, _recorder.directory())
+        return stall_report.Channel(comm, _state, _recorder.directory(), absent=_stacks.absent,
+                                    heard=_recorder.heard_ended)
     return None
 
 
@@ -304,7 +312,7 @@ def _ensure_thread() -> None:
         if not _stop_registered:
             # MPI is initialised by now, so this runs before a finalisation registered
             # with atexit when it was (runtime's), and before mpi4py's, which runs last.
-            atexit.register(_stop)
+            atexit.register(_at_exit)
             _stop_registered = True
 
 
@@ -363,7 +371,9 @@ def _tick_locked(now: float) -> None:
     if summary is not None:
         _conclude(summary)
     if _deadline is not None and now >= _deadline:
-        if _channel is not None:
+        if _channel is not None and 0 in _channel.ended:
+            why = "rank 0 finished, so no summary comes"
+        elif _channel is not None:
             why = "rank 0 did not end the job after this rank's stall report"
         elif not _multiple:
             why = "no summary below MPI_THREAD_MULTIPLE"
@@ -385,10 +395,13 @@ def _report_stall(slot: _Slot, record, now: float) -> None:
     _evidence(f"stall: waiting {state['seconds']:.1f} s in {state['text']}")
     if _channel is not None and _channel.rank == 0:
         _channel.open(now)
+    elif _channel is not None and 0 in _channel.ended:
+        stall_report.say(f"no stall summary: rank 0 {_channel.ended[0]['text']}")
     elif _channel is not None:
         _channel.tell(state, unasked=True)
     if _action == "abort" and _deadline is None:
-        _deadline = now + (_SELF_ABORT_SECONDS if _channel is not None else _LOCAL_GRACE_SECONDS)
+        summarised = _channel is not None and 0 not in _channel.ended
+        _deadline = now + (_SELF_ABORT_SECONDS if summarised else _LOCAL_GRACE_SECONDS)
 
 
 def _conclude(report: list[str]) -> None:
@@ -404,14 +417,69 @@ def _conclude(report: list[str]) -> None:
         stall_report.say(text)
 
 
-def _stop() -> None:
-    """At exit, before MPI_Finalize: stop the thread, then release the channel's requests."""
+def _stop(ending: dict | None = None) -> None:
+    """At exit, before MPI_Finalize (or from inside it, ``_finalizing``): stop the thread, tell
+    the other ranks where this one finished, release the channel's requests.
+
+    Args:
+        ending: how this rank ends (``runtime.ending()``'s keys); None: ask ``runtime.ending()``.
+    """
+    global _finished
+    if _finished:
+        return
+    _finished = True
     _stopping.set()
     _wake.set()
     if _thread is not None:
         _thread.join(timeout=5)
-    if _channel is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-        _channel.close()
+    with _channel_lock:
+        if _channel is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+            try:  # best effort: a peer lost (ULFM) must not turn the exit into a traceback
+                _channel.finish(dict(kind="finished",
+                                     text=_finish_text(ending or runtime.ending())))
+            except Exception:  # noqa: BLE001
+                pass
+            _channel.close()
+
+
+def _finish_text(ending: dict) -> str:
+    """"finished at train.py:42 (sys.exit(0), status 0)"; "stopped" for a preemption's stop."""
+    verb = "stopped" if ending["how"].startswith("exit_for_requeue") else "finished"
+    where = f" at {ending['where']}" if ending["where"] else ""
+    status = f", status {ending['status']}" if ending["status"] is not None else ""
+    return f"{verb}{where} ({ending['how']}{status})"
+
+
+_finished = False  # _stop ran: the other ranks were told
+
+
+def _arm_finalize_hook() -> None:
+    """Run ``_finalizing`` at the start of MPI_Finalize (main thread, once).
+
+    MPI deletes ``MPI_COMM_SELF``'s attributes first thing in MPI_Finalize, while MPI
+    still works (MPI 4.0, 11.2.4): a program that calls ``MPI.Finalize()`` itself leaves
+    MPI before the ``atexit`` handler runs, and this is the one moment it can still
+    tell the others. ``_stop`` at exit deletes the attribute (the hook then does nothing).
+    """
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_finalizing)
+        MPI.COMM_SELF.Set_attr(_keyval, True)
+
+
+_keyval = None
+
+
+def _finalizing(_comm, _keyval_, _value) -> None:
+    if _finished or threading.current_thread() is not threading.main_thread():
+        return
+    _stop(dict(how="MPI_Finalize()", status=None, where=_stacks.user_site(sys._getframe())))
+
+
+def _at_exit() -> None:
+    _stop()
+    if _keyval is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_SELF.Delete_attr(_keyval)  # runs _finalizing, which finds _stop done
 
 
 def _forked() -> None:

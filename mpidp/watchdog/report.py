@@ -33,8 +33,8 @@ Each state carries the stack of the thread it names; rank 0 prints them after th
 summary, ranks with the same stack folded, and names the directory of the
 ranks' flight records (``mpidp.recorder``).
 
-Imports nothing from mpidp but ``runtime`` and ``communicators``: the watchdog hands
-in what it knows.
+Imports nothing from mpidp but ``runtime``, ``communicators`` and ``stacks.site``: the
+watchdog hands in what it knows.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from collections.abc import Callable
 from mpi4py import MPI
 
 from .. import communicators, runtime
+from ..stacks import site
 
 __all__ = ["ABORT_STATUS", "Channel", "abort", "describe", "label_text", "ranks_text", "say",
            "set_rank", "site", "summary"]
@@ -79,38 +79,6 @@ def label_text(label) -> str:
     return " ".join(words)
 
 
-def _library_dirs() -> tuple[str, ...]:
-    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # mpidp/, not watchdog/
-    for name in ("mpidp.kernels", "torch"):
-        module = sys.modules.get(name)
-        if getattr(module, "__file__", None):
-            dirs.append(os.path.dirname(os.path.abspath(module.__file__)))
-    return tuple(d + os.sep for d in dirs)
-
-
-def _in_stdlib(path: str) -> bool:
-    # threading.py and queue.py sit between a helper thread's wait and the user's line
-    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
-    return path.startswith(stdlib) and "-packages" not in path
-
-
-def site(*frames) -> str:
-    """file:line of the user's code: the first frame, outwards from each of ``frames``
-    (innermost frames of threads) in turn, outside mpidp, torch and the standard
-    library; failing that, the first one outside mpidp and torch."""
-    library = _library_dirs()
-    fallback = None
-    for frame in frames:
-        while frame is not None:
-            path = os.path.abspath(frame.f_code.co_filename)
-            if not path.startswith(library):
-                if not _in_stdlib(path):
-                    return f"{path.removeprefix(os.getcwd() + os.sep)}:{frame.f_lineno}"
-                fallback = fallback or f"{path}:{frame.f_lineno}"
-            frame = frame.f_back
-    return fallback or "an unknown place (no Python frame outside mpidp)"
-
-
 def describe(slot, record, frames: dict) -> str:
     """What the call ``record`` of a watchdog slot waits in, and its call site.
 
@@ -136,24 +104,28 @@ def ranks_text(ranks) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {communicators.fold(ranks)}"
 
 
-def summary(states: dict[int, dict], size: int) -> str:
-    """One line: the ranks grouped by what they do, the longest waits first."""
+_NO_REPORT = ("not reachable: dead, or no Python thread can run there, as in a call that "
+              "holds the GIL")
+
+
+def summary(states: dict[int, dict], size: int,
+            absent: Callable[[int], str | None] | None = None) -> str:
+    """One line: the ranks grouped by what they do, the longest waits first, then those that
+    finished, then those that sent nothing (``absent(rank)``: what their files say, if anything)."""
     groups: dict[tuple, list[int]] = {}
     for rank, state in states.items():
         groups.setdefault((state["kind"], state["text"]), []).append(rank)
-    order = {"stalled": 0, "waiting": 1, "idle": 2}
+    for rank in sorted(set(range(size)) - set(states)):
+        text = absent(rank) if absent is not None else None
+        groups.setdefault(("missing", f"no report ({text or _NO_REPORT})"), []).append(rank)
+    order = {"stalled": 0, "waiting": 1, "idle": 2, "finished": 3, "missing": 4}
     parts = []
     for (kind, text), ranks in sorted(groups.items(), key=lambda g: (order[g[0][0]], min(g[1]))):
-        if kind == "idle":
-            parts.append(f"{ranks_text(ranks)}: {text}")
-            continue
-        seconds = max(states[r]["seconds"] for r in ranks)
-        under = ", under the timeout" if kind == "waiting" else ""
-        parts.append(f"{ranks_text(ranks)}: waiting in {text} ({seconds:.1f} s{under})")
-    missing = sorted(set(range(size)) - set(states))
-    if missing:
-        parts.append(f"{ranks_text(missing)}: no report (not reachable: dead, or no Python thread "
-                     f"can run there, as in a call that holds the GIL)")
+        if kind in ("stalled", "waiting"):
+            seconds = max(states[r]["seconds"] for r in ranks)
+            under = ", under the timeout" if kind == "waiting" else ""
+            text = f"waiting in {text} ({seconds:.1f} s{under})"
+        parts.append(f"{ranks_text(ranks)}: {text}")
     return "; ".join(parts)
 
 
@@ -162,7 +134,9 @@ def stack_report(states: dict[int, dict], size: int, folder: str) -> list[str]:
     and where each rank's files are (``mpidp.recorder``, ``mpidp.stacks``)."""
     groups: dict[tuple, list[int]] = {}
     for rank, state in states.items():
-        groups.setdefault((state.get("thread", "?"), tuple(state.get("stack", ()))), []).append(rank)
+        if state["kind"] != "finished":
+            groups.setdefault((state.get("thread", "?"), tuple(state.get("stack", ()))),
+                              []).append(rank)
     lines = []
     for (thread, stack), ranks in sorted(groups.items(), key=lambda g: min(g[1])):
         lines.append(f"stack of {ranks_text(ranks)}, thread {thread} (innermost first):")
@@ -231,16 +205,28 @@ class Channel:
 
     Built on a thread that may call MPI; used by the watchdog thread only.
 
+    A rank that finishes tells its peers (``finish``) before it leaves MPI: rank 0
+    then names it in the summary as finished, and never asks it again; the others,
+    told that rank 0 finished, know that no summary will come.
+
     Args:
         comm: the watchdogs' own communicator.
         state: ``state(now)`` is this rank's state (a dict with ``kind``, ``text``
             and, unless idle, ``seconds``), sent when rank 0 asks.
+        folder: where the ranks write their flight records.
+        absent: ``absent(rank)``: what the files of a rank that sent nothing say of it
+            (dead, holding the GIL), or None.
+        heard: ``heard(rank, text)`` runs when a peer says it finished.
     """
 
-    def __init__(self, comm: MPI.Intracomm, state: Callable[[float], dict], folder: str = ""):
+    def __init__(self, comm: MPI.Intracomm, state: Callable[[float], dict], folder: str = "",
+                 *, absent: Callable[[int], str | None] | None = None,
+                 heard: Callable[[int, str], None] | None = None):
         self.comm = comm
-        self.folder = folder  # where the ranks write their flight records
+        self.folder = folder
         self.state = state
+        self.absent, self.heard = absent, heard
+        self.ended: dict[int, dict] = {}  # peers that finished: their last word
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.peers = list(range(1, self.size)) if self.rank == 0 else [0]
         self.inboxes = [bytearray(_MESSAGE_BYTES) for _ in self.peers]
@@ -277,23 +263,49 @@ class Channel:
         collection closes."""
         self.sends = [(r, d) for r, d in self.sends if not r.Test()]
         for index, request in enumerate(self.requests):
-            if not request.Test(self.status):
+            if request is None or not request.Test(self.status):
                 continue
             source = self.peers[index]
             data = bytes(self.inboxes[index][:self.status.Get_count(MPI.BYTE)])
-            self.requests[index] = self._post(index)
             if self.rank == 0:
                 try:
                     state = json.loads(data)
                 except ValueError:  # cannot happen between mpidp watchdogs of one version
                     state = dict(kind="idle", text=f"unreadable report {data[:80]!r}", unasked=True)
+                if state["kind"] == "finished":
+                    self._finished(index, state)
+                    continue
+                self.requests[index] = self._post(index)
                 self._heard(source, state, now)
+            elif data:  # rank 0's last word: it finished, and asks nothing more
+                self._finished(index, json.loads(data))
             else:
+                self.requests[index] = self._post(index)
                 self.tell(self.state(now), unasked=False)
         if self.states is not None and (now >= self.closes_at or len(self.states) == self.size):
             states, self.states = self.states, None
-            return [summary(states, self.size)] + stack_report(states, self.size, self.folder)
+            return ([summary(states, self.size, self.absent)]
+                    + stack_report(states, self.size, self.folder))
         return None
+
+    def _finished(self, index: int, state: dict) -> None:
+        """A peer finished: keep its word, post no receive from it again."""
+        rank = self.peers[index]
+        self.requests[index] = None
+        self.ended[rank] = state
+        if self.states is not None:
+            self.states[rank] = state
+        if self.heard is not None:
+            self.heard(rank, state["text"])
+
+    def finish(self, state: dict) -> None:
+        """Tell the peers still here that this rank finishes (``state``: kind "finished", and
+        ``text``), before it leaves MPI; ``close`` completes the sends."""
+        data = json.dumps(dict(state, unasked=True), ensure_ascii=False).encode()
+        tag = _TAG_QUERY if self.rank == 0 else _TAG_LINE
+        for peer in self.peers:
+            if peer not in self.ended:
+                self._send(data[:_MESSAGE_BYTES], peer, tag)
 
     def _heard(self, source: int, state: dict, now: float) -> None:
         if self.states is None:
@@ -307,10 +319,11 @@ class Channel:
         if self.states is not None:
             self.states[0] = self.state(now)  # rank 0's own stall, while it collects
             return
-        self.states = {0: self.state(now)}
+        self.states = {0: self.state(now), **self.ended}
         self.closes_at = now + _COLLECT_SECONDS
         for rank in range(1, self.size):
-            self._send(b"", rank, _TAG_QUERY)
+            if rank not in self.ended:
+                self._send(b"", rank, _TAG_QUERY)
 
     def close(self) -> None:
         """Cancel the posted receive and finish the sends, before MPI_Finalize."""

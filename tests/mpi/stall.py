@@ -19,7 +19,9 @@ Modes:
 - ``kill RANK``: as ``sleep``, but ``RANK`` sends itself SIGKILL (the OOM killer, a node lost);
 - ``late RANK``: 16 DDP steps, ``RANK`` sleeps 200 ms before each backward; at the end each
   rank prints ``rank R stragglers {rank: ms}`` (``ddp.stragglers()``);
-- ``train [OVERLAP ...]``: DDP training runs that never stall, one per strategy given.
+- ``train [OVERLAP ...]``: DDP training runs that never stall, one per strategy given;
+- ``finish`` (4 ranks): rank 0 makes one more allreduce while the others have finished: rank 1
+  at the end of the script, rank 2 by ``sys.exit(0)``, rank 3 by ``MPI.Finalize()``.
 
 Set ``STALL_THREAD_LEVEL`` (e.g. "serialized") to initialise MPI at that level,
 ``STALL_DDP_TIMEOUT`` to pass it to DistributedDataParallel as ``timeout``.
@@ -122,6 +124,17 @@ def late(late_rank: int, steps: int = 16) -> None:
     ddp.close()
 
 
+def finish() -> None:
+    mpidp.comm.allreduce(torch.ones(4))
+    stalls()
+    if RANK == 0:
+        mpidp.comm.allreduce(torch.ones(4))  # one more, after the others finished
+    elif RANK == 2:
+        sys.exit(0)
+    elif RANK == 3:
+        MPI.Finalize()
+
+
 def main() -> None:
     mode, args = sys.argv[1], sys.argv[2:]
     other = MPI.COMM_WORLD.Dup()
@@ -135,6 +148,9 @@ def main() -> None:
         train(5, args[1] if len(args) > 1 else "auto", int(args[0]), how=mode)
     elif mode == "late":
         late(int(args[0]))
+    elif mode == "finish":
+        finish()
+        return
     elif mode == "train":
         for overlap in args or ["auto"]:  # one launch, each strategy in turn
             train(40, overlap)
