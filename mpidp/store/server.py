@@ -47,7 +47,7 @@ _CALLER_LONGEST = 0.001  # a caller's limit: with 250 us, 7 ranks polling took m
 # Polling threads set a slack of _SLACK_NS while they poll: the store thread for its life, a
 # caller only while it waits for its answer (its thread is the program's: the slack it had comes
 # back). A get from rank 1 at 2 ranks (mpich wheel, 2 cores) took 136 us with the default slack
-# on both sides and 90 us with 1 us on both (medians, alternating launches; docs/performance.md).
+# on both sides and 90 us with 1 us on both (medians, alternating launches; docs/store.md).
 _SLACK_NS = 1000
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
 try:
