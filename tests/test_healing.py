@@ -242,3 +242,24 @@ def test_a_rank_lost_without_ulfm_ends_the_job_and_its_checkpoint_resumes(tmp_pa
     assert sorted(losses) == list(range(9, STEPS + 1)), again.stdout[-3000:]
     worst = worst_difference(losses, reference)
     assert worst < RELATIVE, f"a resumed loss differs from the reference by {worst:.3g}"
+
+
+def test_a_reproducible_run_healed_from_4_to_3_ranks_prints_the_uninterrupted_runs_strings(
+        tmp_path):
+    """examples/train_preemptible.py --reproducible (docs/reproducible.md): rank 3 of 4 dies
+    inside step 9's loss average; the survivors heal, run that step again at 3 ranks and go on,
+    and every step's last printed string is the uninterrupted 4-rank run's, bit for bit."""
+    python = _openmpi_python()
+    args = ["examples/train_preemptible.py", "--reproducible", "--steps", "12",
+            "--global-batch", "12", "--samples", "120"]
+    straight = _ulfm_run(python, 4, [*args, "--checkpoint-dir", str(tmp_path / "a")], 240)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-6000:]
+    healed = _ulfm_run(python, 4, [*args, "--checkpoint-dir", str(tmp_path / "b")], 240,
+                       env={"MPIDP_TEST_KILL": "3:9:average (allgather)"})
+    output = healed.stdout + healed.stderr
+    assert healed.returncode == 0, output[-6000:]
+    assert [(int(r), int(w)) for r, _, w, _ in HEALED.findall(healed.stdout)] == [(3, 3)], \
+        output[-6000:]
+    want = dict(LINE.findall(straight.stdout))
+    assert sorted(map(int, want)) == list(range(1, 13))
+    assert dict(LINE.findall(healed.stdout)) == want  # a step run again prints its string again
