@@ -156,17 +156,23 @@ def poll() -> bool:
     if _file is None or _pid != os.getpid():
         return False
     size = os.fstat(_file.fileno()).st_size
-    changed, _handlers_changed = _handlers_changed, False
     if size == _seen:
+        _handlers_changed = False
         return False
     _seen = size
     late = _beat_seconds > 0 and _clock() - _beat >= _beat_seconds
     why = f"a thread held the GIL for {_beat_seconds:g} s" if late else _SIGNAL_REASON
     recorder.dump(why)
+    # The flag is read after the handlers, and again after the wait: a Checkpointer closed
+    # since the signal (a stop, then close()) put this module's handler back and then called
+    # rearm(), so a handler of ours with no rearm() since means the signal met it.
     owned = _owned()
+    changed, _handlers_changed = _handlers_changed, False
     if owned and not late and not changed:  # else the signal may have met another handler
         time.sleep(1.0)  # the main thread's handler ends the process if it can run
-        os._exit(128 + owned[0])
+        changed, _handlers_changed = _handlers_changed, False
+        if not changed and _owned():
+            os._exit(128 + owned[0])
     return True
 
 

@@ -413,27 +413,6 @@ def _run(directory, loop, **options) -> _Run:
     return run
 
 
-@pytest.fixture
-def sigterm_of_the_test():
-    """SIGTERM, outside a Checkpointer, has a handler of this test's own.
-
-    Otherwise it has mpidp.stacks' (whose default ends the process), and the stall
-    watchdog's thread, finding the stacks that faulthandler wrote at a stop's SIGTERM,
-    ends the rank with status 143 if it finds that handler back (stacks.poll): it reads
-    whether the handlers changed before it writes the flight record, and which handler
-    SIGTERM has after, so a Checkpointer closed in between (a stop, then close() within
-    its look) is taken for a rank that SIGTERM ends.
-    """
-    def unexpected(signum, _frame):
-        raise AssertionError(f"{signal.Signals(signum).name} outside a Checkpointer")
-
-    previous = signal.signal(signal.SIGTERM, unexpected)
-    stacks.rearm()
-    yield
-    signal.signal(signal.SIGTERM, previous)
-    stacks.rearm()
-
-
 @contextlib.contextmanager
 def _world_of(size: int):
     """mpidp over the launch's first ``size`` ranks only, as after a heal; True on those."""
@@ -464,7 +443,7 @@ STOPS = {2: [(4, _readme_loop, _readme_loop, signal.SIGUSR1),
              (10, _while_loop, _readme_loop, signal.SIGUSR1)]}
 
 
-def test_the_readme_loop_and_a_while_loop_resume_bit_for_bit(directory, sigterm_of_the_test):
+def test_the_readme_loop_and_a_while_loop_resume_bit_for_bit(directory):
     references = {}
     for stop_at, loop, resume_loop, signum in STOPS.get(SIZE, STOPS[2]):
         shape = loop is _no_set_epoch_loop
@@ -482,7 +461,7 @@ def test_the_readme_loop_and_a_while_loop_resume_bit_for_bit(directory, sigterm_
                    for got, want in zip(second.parameters(), parameters)), what
 
 
-def test_both_loops_resume_at_another_rank_count(directory, sigterm_of_the_test):
+def test_both_loops_resume_at_another_rank_count(directory):
     """Saved at one rank fewer than the launch, resumed at the launch's count: the same global
     batches, the losses and parameters to float summation noise (no dropout: each rank's
     generator draws for its own samples). The README's loop at 2 ranks, the while loop at 3."""
@@ -501,8 +480,7 @@ def test_both_loops_resume_at_another_rank_count(directory, sigterm_of_the_test)
         assert torch.allclose(got, want, rtol=1e-12, atol=0)
 
 
-def test_a_loop_that_would_skip_or_replay_an_epoch_is_refused_on_every_rank(directory,
-                                                                            sigterm_of_the_test):
+def test_a_loop_that_would_skip_or_replay_an_epoch_is_refused_on_every_rank(directory):
     _run(directory, _readme_loop, stop_at=6)  # saved in epoch 1
     run = _Run(directory)
     with pytest.raises(ValueError, match=r"set_epoch\(2\): .* resumed in epoch 1.*range\(epochs\)"):
