@@ -301,7 +301,8 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         shared = getattr(self, "_node", None) if sink is None and device.type == "cpu" else None
         kind = Reducer if sink is None else functools.partial(ShardedReducer, sink=sink)
         if self._options["reproducible"]:
-            kind = functools.partial(ReproducibleReducer, sink=sink)
+            kind = functools.partial(ReproducibleReducer, sink=sink,
+                                     training=lambda: self.module.training)
         reducer = kind(named, self.pool, self.control,
                        **_ddp_options.reducer_options(self._options, overlap, shared),
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],

@@ -48,6 +48,8 @@ class ReproducibleReducer(Reducer):
     """Sums each bucket's per-micro-batch gradients in micro-batch order (see the module).
 
     Args:
+        training: returns whether the module is in training mode: a forward in
+            evaluation mode is no micro-batch (no check, no capture; as ``Reducer``).
         sink: a stage-2 ``ZeroRedundancyOptimizer`` that takes each rank's
             block of the averages (``grad_target``/``reduced``, as
             ``mpidp.ddp.sharded.ShardedReducer``'s sink), or None: every rank
@@ -57,8 +59,9 @@ class ReproducibleReducer(Reducer):
         one layout, and every gradient goes through one), and no shared memory.
     """
 
-    def __init__(self, named_params, pool, control, *, sink=None, **options):
+    def __init__(self, named_params, pool, control, *, training, sink=None, **options):
         self.sink = sink
+        self._training = training
         self._rows = 1  # micro-batches per rank the stores hold (they grow)
         self._row = 0  # the micro-batch this rank runs next in the step
         self._local: Step | None = None  # the step of a micro-batch inside no_sync
@@ -94,6 +97,10 @@ class ReproducibleReducer(Reducer):
         raises the same ``ValueError`` on every rank.
         """
         self.settle()
+        if not self._training():  # evaluation with grad enabled (may run on one rank alone)
+            super().prepare(outputs, sync)
+            self._local = None
+            return
         if sync:
             self._check_step()
         super().prepare(outputs, True)

@@ -103,6 +103,23 @@ def test_gradients_left_from_the_step_before_are_added_as_torch_accumulates():
     ddp.close()
 
 
+def test_an_evaluation_forward_with_grad_on_one_rank_changes_nothing():
+    (x1, y1), (x2, y2) = itertools.islice(_loader(MPI.COMM_WORLD, torch.float64), 2)
+    grads = []
+    for evaluate in (False, True):
+        ddp = mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True)
+        _micro_steps(ddp, x1, y1)
+        if evaluate and RANK == 0:  # no collective, and the average in .grad is not kept
+            ddp.eval()
+            ddp(x1[:MICRO_SIZE])
+            ddp.train()
+        ddp.module.zero_grad()
+        _micro_steps(ddp, x2, y2)
+        grads.append([p.grad.clone() for p in ddp.parameters()])
+        ddp.close()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.skipif(SIZE == 1, reason="needs ranks that can disagree")
 def test_another_number_of_micro_batches_on_one_rank_raises_on_every_rank():
     ddp = mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True)
