@@ -39,7 +39,7 @@ from ..comm import chunking as _chunking
 from .buckets import Bucket, Shards
 from .reducer import Reducer
 from .sharded import ShardedReducer
-from .step import DONE, Step
+from .step import DONE, Step, find_tensors
 
 __all__ = ["ReproducibleReducer"]
 
@@ -67,6 +67,7 @@ class ReproducibleReducer(Reducer):
         self._local: Step | None = None  # the step of a micro-batch inside no_sync
         self._local_failed = False
         self._stash: dict[int, torch.Tensor] = {}  # .grad found before a micro-batch
+        self._stash_at: Step | None = None  # the step whose backward takes .grad aside first
         self._scratches: dict[tuple, torch.Tensor] = {}
         options.update(gradient_as_bucket_view=False, predict_order=False, solo_bytes=None,
                        shared=None)
@@ -99,7 +100,7 @@ class ReproducibleReducer(Reducer):
         self.settle()
         if not self._training():  # evaluation with grad enabled (may run on one rank alone)
             super().prepare(outputs, sync)
-            self._local = None
+            self._local = self._stash_at = None
             return
         if sync:
             self._check_step()
@@ -108,7 +109,11 @@ class ReproducibleReducer(Reducer):
         self._local = None if sync else step
         if not sync:
             step.counted = True  # a step number only for the synced backward
-        self._stash_grads()
+        # .grad is taken aside when the backward begins (the outputs' hooks run first), so
+        # that a zero_grad() between this forward and its backward counts
+        self._stash_at = step
+        if not any(t.requires_grad and t.grad_fn is not None for t in find_tensors(outputs)):
+            self._take_aside(step)
         if self._row >= self._rows:
             self._grow(self._row + 1)
         for bucket in self.buckets:
@@ -130,6 +135,15 @@ class ReproducibleReducer(Reducer):
             self._row = 0
             self._stash.clear()
             raise
+
+    def _on_output_grad(self, step: Step, grad) -> None:
+        self._take_aside(step)
+        super()._on_output_grad(step, grad)
+
+    def _take_aside(self, step: Step) -> None:
+        if step is self._stash_at:
+            self._stash_at = None
+            self._stash_grads()
 
     def _stash_grads(self) -> None:
         # A gradient left from before (no zero_grad) is added back after the reduction,

@@ -100,6 +100,15 @@ def test_gradients_left_from_the_step_before_are_added_as_torch_accumulates():
     _micro_steps(ddp, x2, y2)
     assert all(torch.equal(p.grad, second + first)
                for p, first, second in zip(ddp.parameters(), *averages))
+    # zero_grad() between a forward and its backward: nothing of before is kept
+    pieces = list(zip(x2.split(MICRO_SIZE), y2.split(MICRO_SIZE)))
+    for k, (xm, ym) in enumerate(pieces):
+        with contextlib.nullcontext() if k == len(pieces) - 1 else ddp.no_sync():
+            loss = F.mse_loss(ddp(xm), ym)
+            if k == 0:
+                ddp.module.zero_grad()
+            loss.backward()
+    assert all(torch.equal(p.grad, second) for p, second in zip(ddp.parameters(), averages[1]))
     ddp.close()
 
 
