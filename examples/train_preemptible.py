@@ -1,7 +1,7 @@
 """A training run that survives preemption: stop on a signal, requeue, resume at any size.
 
 Under Open MPI's ULFM (``mpirun --with-ft ulfm``) it also survives a lost rank: the others
-heal and go on at one rank fewer (docs/checkpoint.md#lost-ranks).
+heal and go on at one rank fewer (docs/healing.md).
 
     mpiexec -n 2 python examples/train_preemptible.py --checkpoint-dir ckpt --steps 60
     # kill -USR1 <any rank's pid>: every rank stops at the same step, saves, exits 75

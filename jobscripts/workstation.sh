@@ -27,6 +27,6 @@ fi
 
 # The layout of the ranks, then checks of what would make the job fail (launch, binding,
 # threads, versions, /dev/shm, the rendezvous address, settings, GPUs): on a problem it
-# prints the fix and ends the job here, before training (docs/debugging.md).
+# prints the fix and ends the job here, before training (docs/doctor.md).
 "${LAUNCH[@]}" python -m mpidp doctor
 "${LAUNCH[@]}" python "${EXAMPLE[@]}"

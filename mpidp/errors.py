@@ -100,7 +100,7 @@ def mpi_failure(call: str, error: BaseException) -> CommunicationError:
         return RankLostError(
             f"mpidp: a rank of the job was lost during {call} ({text}; lost: {_lost_ranks()}). "
             f"mpidp.Healer goes on without it where the MPI library has ULFM "
-            f"(docs/checkpoint.md#lost-ranks); otherwise resume from the last checkpoint")
+            f"(docs/healing.md); otherwise resume from the last checkpoint")
     return CommunicationError(
         f"mpidp: the MPI library failed in {call}: {text}. The ranks' calls probably differ "
         f"(element count, dtype, op, root or the order of collectives); run again with "

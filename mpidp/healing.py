@@ -43,7 +43,7 @@ What happens, in order:
    global batch / (N-1), which must divide), and the loop goes on.
 
 The run after a heal is a run that changed its world size at that step, as a
-resume from a checkpoint at N-1 ranks would (``docs/checkpoint.md#lost-ranks``).
+resume from a checkpoint at N-1 ranks would (``docs/healing.md``).
 
 Where the library has no ULFM (``ulfm()`` False: MPICH, Open MPI without
 ``--with-ft ulfm``), ``guard()`` and ``batches()`` do nothing more than the
@@ -232,7 +232,8 @@ class Healer:
         stuck = _unhealable(model, zero)
         if stuck:
             raise ValueError(f"Healer: these cannot follow a heal after a lost rank: {stuck} "
-                             f"(what a heal rebuilds: docs/checkpoint.md#lost-ranks)")
+                             f"(what a heal rebuilds: "
+                             f"docs/healing.md#what-a-heal-cannot-carry-on-with)")
 
     # -- the loop ------------------------------------------------------------------------
 

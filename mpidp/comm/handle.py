@@ -101,7 +101,8 @@ def wait_request(request: MPI.Request, label=None, waiting: bool = False) -> Non
 # returned success on some or all survivors with the receive buffer untouched in 5 of 5
 # launches of 4 ranks whose rank 0, 2 or 3 SIGKILLed itself in a loop of them, while
 # Iallgatherv, Allgather, Allreduce, Bcast, Gather(v), Scatterv, Alltoall(v) and
-# Reduce_scatter_block always raised MPI_ERR_PROC_FAILED (docs/checkpoint.md#lost-ranks).
+# Reduce_scatter_block always raised MPI_ERR_PROC_FAILED
+# (docs/healing.md#gathers-across-a-lost-rank).
 # These run as their I-form and a wait, everywhere: the same messages, in the same order.
 _WAITED = frozenset({"Allgatherv"})
 

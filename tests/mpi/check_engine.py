@@ -116,7 +116,8 @@ def test_chunked_allreduce_takes_one_path_whatever_the_layout():
 
 
 @pytest.mark.skipif(mpidp.comm.checks._DEBUG, reason="MPIDP_DEBUG checks a call across ranks "
-                    "before it starts, waiting for every rank to make it (docs/debugging.md)")
+                    "before it starts, waiting for every rank to make it "
+                    "(docs/mismatched-calls.md)")
 def test_group_timeout_fails_wait_and_future_with_torch_error():
     """One rank is late past the group's timeout (issue 17, item 4): wait() raises
     DistBackendError after the timeout, not never; the late call then matches."""
@@ -183,7 +184,8 @@ def test_mpi_failure_names_the_call_and_the_way_on():
 @pytest.fixture
 def fresh_group():
     """Groups for calls that differ across ranks on purpose, destroyed after the test: a call
-    that started in MPI before every rank knew it differs spoils its group (docs/debugging.md)."""
+    that started in MPI before every rank knew it differs spoils its group
+    (docs/mismatched-calls.md)."""
     made = []
 
     def new():
