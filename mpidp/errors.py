@@ -52,18 +52,27 @@ def lost_rank(error: BaseException | None) -> bool:
     return from_mpi and _world_lost_a_member()
 
 
+_survivors: list = []  # the world after a heal, told by mpidp.runtime.set_world
+
+
+def judge_losses_over(comm) -> None:
+    """Judge later errors by the failed members of ``comm``, the survivors of a heal
+    (``mpidp.runtime.set_world`` only; before any heal, ``MPI_COMM_WORLD``)."""
+    _survivors[:] = [comm]
+
+
 def _world_lost_a_member() -> bool:
-    """Whether this rank knows of a failed member of ``mpidp.runtime.world()`` (ULFM only).
+    """Whether this rank knows of a failed member of mpidp's world (ULFM only).
 
     The world, not ``MPI_COMM_WORLD``: after a heal, the ranks already lost are no
     longer members, so a later error is judged by new losses alone.
     """
     if not _failure_classes():
         return False
-    from . import runtime  # noqa: PLC0415 (runtime imports this module; needed at call time only)
+    from mpi4py import MPI  # noqa: PLC0415
 
     try:
-        failed = runtime.world().Get_failed()
+        failed = (_survivors[0] if _survivors else MPI.COMM_WORLD).Get_failed()
     except Exception:  # noqa: BLE001 (no failed group to read: nothing known lost)
         return False
     try:

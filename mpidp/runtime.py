@@ -171,6 +171,7 @@ def healed() -> bool:
 def set_world(comm: MPI.Intracomm) -> None:
     """Make ``comm`` (the survivors, collectively shrunk) the world (``mpidp.healing`` only)."""
     _world[:] = [comm]
+    errors.judge_losses_over(comm)
 
 
 def rank() -> int:

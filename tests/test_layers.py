@@ -17,9 +17,10 @@ PACKAGE = ROOT / "mpidp"
 LAYERS = [
     ("base", ["settings", "errors", "_args", "communicators", "address", "generators",
               "comm.dtypes", "zero.elementwise", "horovod.timeline", "horovod.compression",
-              "store.server", "recorder", "trace"]),
-    ("runtime", ["runtime", "topology", "cuda", "stacks", "watchdog", "watchdog.*", "sampler"]),
-    ("communication", ["comm", "comm.*", "objects", "optimizer", "store", "rendezvous",
+              "store.server", "recorder"]),
+    # trace reads the files stacks writes; cuda agrees on the ranks' GPUs over the engine
+    ("runtime", ["runtime", "topology", "stacks", "trace", "watchdog", "watchdog.*", "sampler"]),
+    ("communication", ["comm", "comm.*", "cuda", "objects", "optimizer", "store", "rendezvous",
                        "preemption"]),
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),
     ("backend", ["process_group", "process_group.*"]),
