@@ -3,7 +3,7 @@
 In the process that ``mpiexec``/``srun`` launched, importing mpidp initialises
 MPI through mpi4py (asking for ``MPI_THREAD_MULTIPLE``), makes an uncaught
 exception or a non-zero ``sys.exit`` on any rank abort the whole job (see
-``mpidp.runtime``; ``MPIDP_ABORT_ON_EXCEPTION=0`` turns that off), sets torch's
+``mpidp.exits``; ``MPIDP_ABORT_ON_EXCEPTION=0`` turns that off), sets torch's
 intra-op threads to this rank's share of its cores unless ``OMP_NUM_THREADS``
 is set (see ``mpidp.topology``; ``MPIDP_SET_THREADS=0``), and pins the local
 rank's GPU (``mpidp.cuda``). Every rank must import it: the start-up talks to

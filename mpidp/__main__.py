@@ -28,7 +28,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import doctor, frtrace, profiler, rendezvous, runtime, topology, trace
+from mpidp import doctor, exits, frtrace, profiler, rendezvous, runtime, topology, trace
 from mpidp.comm.handle import collective
 
 BFLOAT16_SUM = {"native": "reduced by the MPI library itself",
@@ -81,7 +81,7 @@ def run(target: list[str], module: bool) -> int:
             sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
             runpy.run_path(target[0], run_name="__main__")
     except SystemExit as exc:  # sys.exit(3) on one rank must end the job, as when run directly
-        runtime.abort_for_exit(exc.code)
+        exits.abort_for_exit(exc.code)
         raise
     return 0
 

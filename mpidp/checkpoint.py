@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import signal
 import threading
@@ -49,6 +48,10 @@ from mpi4py import MPI
 
 from .comm.handle import collective
 from . import _args, generators, preemption, runtime
+from .checkpoint_format import (
+    FORMAT, MANIFEST, NAME as _NAME, directory_of as _directory_of, fsync_file as _fsync_file,
+    latest_checkpoint, load as _load, write as _write,
+)
 from .comm import agreement
 from . import communicators as _communicators
 from . import watchdog as _watchdog
@@ -58,58 +61,7 @@ from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["Checkpointer", "latest_checkpoint"]
 
-FORMAT = "mpidp.Checkpointer/1"
-MANIFEST = "manifest.json"
-_NAME = re.compile(r"step-(\d{9})$")
 _DEADLINE = 20.0  # seconds: well inside SLURM's default KillWait of 30 s
-
-
-def _directory_of(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def latest_checkpoint(directory: str) -> tuple[str, dict] | None:
-    """The newest whole checkpoint under ``directory`` and its manifest, or None (local).
-
-    Whole: a ``step-*`` directory with a readable manifest whose files all exist
-    at the sizes it lists; ``.partial-*`` directories and anything else are skipped.
-    """
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return None
-    for name in sorted((n for n in names if _NAME.match(n)), reverse=True):
-        path = os.path.join(directory, name)
-        try:
-            with open(os.path.join(path, MANIFEST)) as file:
-                manifest = json.load(file)
-            whole = (manifest.get("format") == FORMAT and manifest.get("files") and all(
-                os.path.getsize(os.path.join(path, f)) == size
-                for f, size in manifest["files"].items()))
-        except (OSError, ValueError, AttributeError):
-            whole = False
-        if whole:
-            return path, manifest
-    return None
-
-
-def _write(path: str, obj) -> None:
-    with open(path, "wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_file(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _load(path: str):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _restore_generators(rng) -> None:

@@ -161,7 +161,7 @@ def _placement() -> tuple[str | None, bool]:
 @functools.cache
 def placements() -> tuple[tuple[str | None, ...], tuple[bool, ...]]:
     """Every rank's GPU (``gpu_identity`` of the one it uses; None: it sees none) and whether
-    its torch has NCCL, by rank: the facts of ``rendezvous.backend_for``.
+    its torch has NCCL, by rank: the facts of ``backend_choice.backend_for``.
 
     Collective on ``MPI.COMM_WORLD`` (one allgather), made at import by ``_start_up`` on
     every rank, so every later call reads the same facts on every rank.

@@ -69,7 +69,7 @@ from mpi4py import MPI
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import BatchSampler, DataLoader
 
-from . import generators, runtime
+from . import exits, generators, runtime
 from .comm import agreement
 from .comm.handle import collective
 from . import communicators as _communicators
@@ -105,8 +105,8 @@ def _leave_without_finalize() -> None:
     atexit.unregister(_leave_without_finalize)
     atexit._run_exitfuncs()
     status = 0
-    if runtime._exit_request is not None:  # sys.exit(n), or exit_for_requeue's status
-        status = runtime._exit_status(runtime._exit_request[0])
+    if exits._exit_request is not None:  # sys.exit(n), or exit_for_requeue's status
+        status = exits._exit_status(exits._exit_request[0])
     elif getattr(sys, "last_value", None) is not None:  # an uncaught exception ended __main__
         status = 1
     for stream in (sys.stdout, sys.stderr):

@@ -34,7 +34,7 @@ import threading
 from mpi4py import MPI
 
 from .comm import agreement
-from . import runtime, stacks
+from . import exits, runtime, stacks
 
 __all__ = ["EXIT_STATUS", "DEFAULT_SIGNALS", "EARLY_SIGNALS", "signal_numbers", "arm", "keep_early", "disarm", "armed",
            "requested", "received",
@@ -208,8 +208,8 @@ def exit_for_requeue(status: int = EXIT_STATUS) -> None:
     ``SystemExit(status)``; MPI is finalised at exit as usual.
     """
     agreement.any_failed(runtime.world(), False, "preemption: every rank leaves together")
-    runtime.abort_on_exception(False)
-    runtime.remember_exit(status)  # for the exit of a healed process (runtime.set_world)
+    exits.abort_on_exception(False)
+    exits.remember_exit(status)  # for the exit of a healed process (runtime.set_world)
     sys.stdout.flush()
     sys.stderr.flush()
     raise SystemExit(status)

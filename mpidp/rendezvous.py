@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import cuda, settings, address as _address, runtime, store as _store
+from . import settings, address as _address, runtime, store as _store
+from .backend_choice import MPIDP as _MPIDP, backend_for, default_backend
 from . import watchdog as _watchdog
 from .comm import agreement
 from .comm.handle import collective
@@ -58,8 +59,6 @@ __all__ = ["backend_for", "default_backend", "init_process_group", "handler", "s
            "exported", "store_kind"]
 
 SCHEME = "mpidp"
-_MPIDP = "mpidp"
-_NCCL_MAP = "cpu:gloo,cuda:nccl"
 _STORES = ("mpi", "tcp", "local")
 _OVERRIDE = "set MPIDP_RDZV_ADDR to an address of rank 0's host that every rank reaches, or " \
             "MPIDP_RDZV_IFACE to its interface (e.g. ib0); MPIDP_RDZV_TIMEOUT is the time allowed"
@@ -83,48 +82,6 @@ class _State:
 
 
 _state = _State()
-
-
-def backend_for(gpus, nccl) -> tuple[str, str]:
-    """The default backend from every rank's facts, and why: NCCL where each rank has a GPU of
-    its own, else "mpidp".
-
-    A pure function of the facts ``mpidp.cuda.placements`` gathers, so every rank
-    decides alike. NCCL refuses two ranks on one GPU, and a rank without a GPU
-    cannot join it; what each rank sees (one GPU, all of the node's, none) does
-    not matter, only whether the GPUs the ranks use are distinct. Not
-    "cpu:mpidp,cuda:nccl": torch (2.13) makes a Python process group the group of
-    every device of a map and drops the others.
-
-    Args:
-        gpus: by rank, the GPU each uses (``mpidp.cuda.gpu_identity``; None: it sees none).
-        nccl: by rank, whether its torch has NCCL.
-    Returns:
-        ``("cpu:gloo,cuda:nccl" or "mpidp", the reason)``.
-    """
-    if len(gpus) != len(nccl) or not gpus:
-        raise ValueError(f"gpus and nccl must list the same ranks, got {len(gpus)} and {len(nccl)}")
-    without = [rank for rank, gpu in enumerate(gpus) if gpu is None]
-    if len(without) == len(gpus):
-        return _MPIDP, "no rank sees a GPU"
-    if without:
-        return _MPIDP, f"no GPU visible on {_watchdog._ranks(without)}"
-    if not all(nccl):
-        return _MPIDP, f"torch has no NCCL on {_watchdog._ranks([r for r, n in enumerate(nccl) if not n])}"
-    users: dict[str, list[int]] = {}
-    for rank, gpu in enumerate(gpus):
-        users.setdefault(gpu, []).append(rank)
-    shared = [ranks for ranks in users.values() if len(ranks) > 1]
-    if shared:
-        return _MPIDP, "; ".join(f"{_watchdog._ranks(ranks)} share a GPU" for ranks in shared) + \
-            " (NCCL refuses two ranks on one GPU)"
-    return _NCCL_MAP, "each rank has a GPU of its own and torch has NCCL"
-
-
-def default_backend() -> str:
-    """``mpidp.init_process_group()``'s backend when none is named: ``backend_for`` the facts
-    gathered at import (the same on every rank; no collective)."""
-    return backend_for(*cuda.placements())[0]
 
 
 def exported() -> dict[str, str]:

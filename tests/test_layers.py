@@ -19,12 +19,13 @@ LAYERS = [
               "comm.dtypes", "zero.elementwise", "horovod.timeline", "horovod.compression",
               "store.server", "recorder"]),
     # trace reads the files stacks writes; cuda agrees on the ranks' GPUs over the engine
-    ("runtime", ["runtime", "topology", "stacks", "trace", "watchdog", "watchdog.*", "sampler"]),
+    ("runtime", ["runtime", "exits", "topology", "stacks", "trace", "watchdog", "watchdog.*", "sampler"]),
     ("communication", ["comm", "comm.*", "cuda", "objects", "optimizer", "store", "rendezvous",
-                       "preemption"]),
+                       "backend_choice", "preemption"]),
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),
     ("backend", ["process_group", "process_group.*"]),
-    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "healing"]),
+    ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "checkpoint_format",
+                          "healing"]),
     ("package", ["", "__main__", "doctor", "doctor.*", "profiler", "frtrace"]),
 ]
 MOST_LINES = 500

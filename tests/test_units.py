@@ -238,22 +238,22 @@ def test_pack_checks_sizes_and_layout_before_copying():
 
 
 def test_abort_hooks_can_be_turned_off_and_on():
-    previous = sys.excepthook, sys.exit, builtins.exit, mpidp.runtime._abort_enabled
+    previous = sys.excepthook, sys.exit, builtins.exit, mpidp.exits._abort_enabled
     try:
         mpidp.abort_on_exception(True)
-        assert sys.excepthook is mpidp.runtime._abort_excepthook
-        assert sys.exit is mpidp.runtime._exit and isinstance(builtins.exit, mpidp.runtime._Quitter)
+        assert sys.excepthook is mpidp.exits._abort_excepthook
+        assert sys.exit is mpidp.exits._exit and isinstance(builtins.exit, mpidp.exits._Quitter)
         with pytest.raises(SystemExit) as exit_info:  # still raises as Python's sys.exit does
             sys.exit(3)
         assert exit_info.value.code == 3
-        assert mpidp.runtime._exit_request[0] == 3
+        assert mpidp.exits._exit_request[0] == 3
         mpidp.abort_on_exception(False)
-        assert sys.excepthook is mpidp.runtime._python_excepthook
-        assert sys.exit is mpidp.runtime._python_exit
-        assert builtins.exit is mpidp.runtime._python_quitters["exit"]
+        assert sys.excepthook is mpidp.exits._python_excepthook
+        assert sys.exit is mpidp.exits._python_exit
+        assert builtins.exit is mpidp.exits._python_quitters["exit"]
     finally:
-        sys.excepthook, sys.exit, builtins.exit, mpidp.runtime._abort_enabled = previous
-        mpidp.runtime._exit_request = None
+        sys.excepthook, sys.exit, builtins.exit, mpidp.exits._abort_enabled = previous
+        mpidp.exits._exit_request = None
 
 
 def _rank_in_child(queue):

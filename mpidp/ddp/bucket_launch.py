@@ -28,7 +28,7 @@ import traceback
 import torch
 
 from .. import errors as _errors
-from .. import runtime
+from .. import exits
 from .. import watchdog as _watchdog
 from .buckets import Bucket
 from ..comm import chunking as _chunking
@@ -134,8 +134,8 @@ class BucketLauncher:
             why = (f"DistributedDataParallel: the gradient reduction of step {self._steps} "
                    f"failed on this rank while the other ranks wait in its collectives; "
                    f"aborting the MPI job. Traceback:")
-            runtime._abort([f"{type(error).__name__}: {error}", why,
-                            "".join(traceback.format_exception(error))], 1)
+            exits._abort([f"{type(error).__name__}: {error}", why,
+                          "".join(traceback.format_exception(error))], 1)
 
     def _drain(self) -> None:
         """Wait for every reduction of the step: the strategy's, and the hook's futures."""

@@ -16,7 +16,7 @@ import sys
 
 from mpi4py import MPI
 
-from .. import runtime, topology
+from .. import exits, runtime, topology
 from ..comm.agreement import watched_allgather
 from . import checks
 from .checks import CHECKS, Finding
@@ -74,6 +74,6 @@ def main(gradients_mb: float = DEFAULT_GRADIENTS_MB) -> int:
     if all(f.ok for f in findings):
         return 0
     # Every rank found the same and ends with status 1 at once: no rank is left waiting,
-    # so the exit must not turn into MPI_Abort (mpidp.runtime's rule for a rank that fails).
-    runtime.abort_on_exception(False)
+    # so the exit must not turn into MPI_Abort (mpidp.exits' rule for a rank that fails).
+    exits.abort_on_exception(False)
     return 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from .. import runtime as _runtime
+from .. import exits as _exits
 from .. import watchdog as _watchdog
 from ..comm import handle as _handle
 
@@ -121,8 +121,8 @@ class _Progress:
         is printed and the job torn down. ``wait()`` and futures taken later raise it.
         With the abort off (``MPIDP_ABORT_ON_EXCEPTION=0``) the future fails instead.
         """
-        if _runtime._abort_enabled:
-            _runtime._abort([str(work._error), f"a future torch waits on (DDP, a comm hook) "
+        if _exits._abort_enabled:
+            _exits._abort([str(work._error), f"a future torch waits on (DDP, a comm hook) "
                              f"{what}: ending the job, as ProcessGroupNCCL does"], 1)
 
     def abort(self, group, error: BaseException) -> None:

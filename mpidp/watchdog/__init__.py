@@ -61,7 +61,7 @@ nothing called ``start()``) cannot answer.
 
 **Finished ranks.** At exit, before MPI_Finalize (or inside a program's own
 ``MPI.Finalize()``, through an attribute of ``MPI_COMM_SELF``), each rank tells
-the others over the channel where it finished (``runtime.ending()``: the
+the others over the channel where it finished (``exits.ending()``: the
 user's line of ``sys.exit``, ``exit_for_requeue``, ``MPI.Finalize()``, or the
 end of the script), so a summary names it as finished, not as silent. Several threads in mpidp calls at
 once: the line names the one that has waited longest. The abort status is
@@ -80,7 +80,7 @@ from mpi4py import MPI
 
 from .. import errors as _errors
 from .. import settings
-from .. import runtime
+from .. import exits, runtime
 from .. import communicators as _communicators
 from .. import recorder as _recorder, stacks as _stacks
 from . import report as stall_report
@@ -167,8 +167,8 @@ def describe_calls() -> list[str]:
     return [stall_report.describe(slot, record, frames) for slot, record in _in_progress()]
 
 
-runtime.set_call_describer(describe_calls)
-runtime.set_last_words(lambda reason: _recorder.dump(reason, describe_calls()))
+exits.set_call_describer(describe_calls)
+exits.set_last_words(lambda reason: _recorder.dump(reason, describe_calls()))
 
 
 def barrier() -> None:
@@ -422,7 +422,7 @@ def _stop(ending: dict | None = None) -> None:
     the other ranks where this one finished, release the channel's requests.
 
     Args:
-        ending: how this rank ends (``runtime.ending()``'s keys); None: ask ``runtime.ending()``.
+        ending: how this rank ends (``exits.ending()``'s keys); None: ask ``exits.ending()``.
     """
     global _finished
     if _finished:
@@ -436,7 +436,7 @@ def _stop(ending: dict | None = None) -> None:
         if _channel is not None and MPI.Is_initialized() and not MPI.Is_finalized():
             try:  # best effort: a peer lost (ULFM) must not turn the exit into a traceback
                 _channel.finish(dict(kind="finished",
-                                     text=_finish_text(ending or runtime.ending())))
+                                     text=_finish_text(ending or exits.ending())))
             except Exception:  # noqa: BLE001
                 pass
             _channel.close()

@@ -33,7 +33,7 @@ Each state carries the stack of the thread it names; rank 0 prints them after th
 summary, ranks with the same stack folded, and names the directory of the
 ranks' flight records (``mpidp.recorder``).
 
-Imports nothing from mpidp but ``runtime``, ``communicators`` and ``stacks.site``: the
+Imports nothing from mpidp but ``exits``, ``communicators`` and ``stacks.site``: the
 watchdog hands in what it knows.
 """
 
@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-from .. import communicators, runtime
+from .. import communicators, exits
 from ..stacks import site
 
 __all__ = ["ABORT_STATUS", "Channel", "abort", "describe", "label_text", "ranks_text", "say",
@@ -181,7 +181,7 @@ def abort(line: str, multiple: bool) -> None:
         multiple: the thread level is ``MPI_THREAD_MULTIPLE`` (``MPI_Abort`` is allowed).
     """
     if multiple:
-        runtime._abort([line], ABORT_STATUS)  # prints, lets the launcher read it, MPI_Abort
+        exits._abort([line], ABORT_STATUS)  # prints, lets the launcher read it, MPI_Abort
         # MPICH 5.0's MPI_Abort, called from a thread other than the main one, was
         # seen to return (in 1 of 3 tries) once the launcher had the job in hand.
         os._exit(ABORT_STATUS)
@@ -193,7 +193,7 @@ def abort(line: str, multiple: bool) -> None:
         except Exception:  # a closed stream must not stop the exit
             pass
     deadline = _clock() + 2.0
-    while (runtime._unread_bytes(1) or runtime._unread_bytes(2)) and _clock() < deadline:
+    while (exits._unread_bytes(1) or exits._unread_bytes(2)) and _clock() < deadline:
         time.sleep(0.01)
     os._exit(ABORT_STATUS)
 

@@ -37,7 +37,7 @@ def check_worker(method: str, worker_id: int) -> None:
         raise AssertionError(f"{method} worker {worker_id}: not recognised as a child")
     if method != "fork" and MPI.Is_initialized():  # a fork child inherits the parent's state
         raise AssertionError(f"{method} worker {worker_id}: importing mpidp initialised MPI")
-    if method != "fork" and sys.excepthook is mpidp.runtime._abort_excepthook:
+    if method != "fork" and sys.excepthook is mpidp.exits._abort_excepthook:
         raise AssertionError(f"{method} worker {worker_id}: mpidp's start-up ran in a worker")
     for call in (mpidp.rank, mpidp.barrier, lambda: mpidp.comm.allreduce(torch.ones(1))):
         try:
