@@ -100,29 +100,12 @@ def allgather_object(obj, *, comm=None) -> list:
         pickle.UnpicklingError: on every rank, if a rank cannot unpickle another's.
     """
     mpi = _start(comm, "allgather_object")
-    data, error = _dumps(obj)
-    headers = collective(mpi, "allgather", ((None if data is None else len(data), error),),
-                         "allgather_object (the sizes)")
-    errors = [error for _, error in headers]
-    if any(error is not None for error in errors):
-        raise pickle.PicklingError(f"allgather_object: an object cannot be pickled on "
-                                   f"{_agreement.by_rank(errors)}")
-    counts = [nbytes for nbytes, _ in headers]
-    offsets = [0, *itertools.accumulate(counts)]
+    data, counts, offsets = _pickled_with_sizes(mpi, obj, "allgather_object")
     buffer = bytearray(offsets[-1])
     collective(mpi, "Allgatherv",
                ([data, len(data), MPI.BYTE], [buffer, (counts, offsets[:-1]), MPI.BYTE]),
                "allgather_object")
-    view, rank = memoryview(buffer), mpi.Get_rank()
-    results, error = [], None
-    for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
-        if peer == rank:
-            results.append(obj)
-            continue
-        result, failure = _loads(view[start:end])
-        results.append(result)
-        if failure is not None and error is None:
-            error = f"rank {peer}'s object: {failure}"
+    results, error = _unpickled(buffer, offsets, mpi.Get_rank(), obj)
     _agreement.raise_together(mpi, error, pickle.UnpicklingError,
                               "allgather_object: an object cannot be unpickled on",
                               "allgather_object (every rank unpickled them?)")
@@ -150,32 +133,45 @@ def gather_object(obj, root: int = 0, *, comm=None) -> list | None:
     """
     _comm._check_root(root, _comm._base(comm))
     mpi = _start(comm, "gather_object", root=root)
-    data, error = _dumps(obj)
-    headers = collective(mpi, "allgather", ((None if data is None else len(data), error),),
-                         "gather_object (the sizes)")
-    errors = [error for _, error in headers]
-    if any(error is not None for error in errors):
-        raise pickle.PicklingError(f"gather_object: an object cannot be pickled on "
-                                   f"{_agreement.by_rank(errors)}")
+    data, counts, offsets = _pickled_with_sizes(mpi, obj, "gather_object")
     rank = mpi.Get_rank()
-    counts = [nbytes for nbytes, _ in headers]
-    offsets = [0, *itertools.accumulate(counts)]
     buffer = bytearray(offsets[-1] if rank == root else 0)
     collective(mpi, "Gatherv",
                ([data, len(data), MPI.BYTE], [buffer, (counts, offsets[:-1]), MPI.BYTE], root),
                "gather_object")
-    results, error = None, None
-    if rank == root:
-        view, results = memoryview(buffer), []
-        for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
-            result, failure = (obj, None) if peer == rank else _loads(view[start:end])
-            results.append(result)
-            if failure is not None and error is None:
-                error = f"rank {peer}'s object: {failure}"
+    results, error = _unpickled(buffer, offsets, rank, obj) if rank == root else (None, None)
     _agreement.raise_together(mpi, error, pickle.UnpicklingError,
                               "gather_object: an object cannot be unpickled on",
                               "gather_object (the root unpickled them?)")
     return results
+
+
+def _pickled_with_sizes(mpi, obj, what: str) -> tuple[bytes, list[int], list[int]]:
+    """This rank's pickled ``obj``, every rank's byte count and the offsets (collective).
+
+    Raises ``pickle.PicklingError`` on every rank if any rank's object cannot be pickled.
+    """
+    data, error = _dumps(obj)
+    headers = collective(mpi, "allgather", ((None if data is None else len(data), error),),
+                         f"{what} (the sizes)")
+    errors = [error for _, error in headers]
+    if any(error is not None for error in errors):
+        raise pickle.PicklingError(f"{what}: an object cannot be pickled on "
+                                   f"{_agreement.by_rank(errors)}")
+    counts = [nbytes for nbytes, _ in headers]
+    return data, counts, [0, *itertools.accumulate(counts)]
+
+
+def _unpickled(buffer, offsets, rank: int, obj) -> tuple[list, str | None]:
+    """Every rank's object from ``buffer`` (this rank's own ``obj`` itself), and the first
+    failure to unpickle one, as text (None if all came)."""
+    view, results, error = memoryview(buffer), [], None
+    for peer, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        result, failure = (obj, None) if peer == rank else _loads(view[start:end])
+        results.append(result)
+        if failure is not None and error is None:
+            error = f"rank {peer}'s object: {failure}"
+    return results, error
 
 
 def _number(value):
