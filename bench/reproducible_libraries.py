@@ -60,7 +60,7 @@ def python_of(library: str) -> Path:
 def library_name(python: Path) -> str:
     """The first line of the MPI library's version string, as loaded in that environment."""
     done = subprocess.run([str(python), "-c", "from mpi4py import MPI; "
-                           "print(MPI.Get_library_version().splitlines()[0])"],
+                           "print(MPI.Get_library_version().strip('\\0 \\n').splitlines()[0])"],
                           capture_output=True, text=True, timeout=120)
     return (done.stdout.strip() or done.stderr.strip()[-300:])
 
