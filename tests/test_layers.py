@@ -1,4 +1,4 @@
-"""The import graph of mpidp: no circle, no import from a lower layer up, no oversized module.
+"""The import graph of mpidp: no circle, no import from a lower layer up; each module one purpose.
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING``: a
 deferred import is still a dependency, and the circles it hid were the ones to
@@ -8,6 +8,7 @@ remove. A new module needs a line in ``LAYERS``.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +29,7 @@ LAYERS = [
                           "healing"]),
     ("package", ["", "__main__", "doctor", "doctor.*", "profiler", "frtrace"]),
 ]
-MOST_LINES = 500
+MOST_LINES = 500  # soft: over it, a warning, not a failure
 
 
 def _modules() -> dict[str, Path]:
@@ -115,7 +116,44 @@ def test_the_scan_sees_deferred_and_type_checking_imports(tmp_path):
     assert _imports("runtime", fake, _modules()) == {"process_group.work", "watchdog", "comm.handle"}
 
 
-def test_no_module_is_over_the_size_a_reader_takes_in():
+def _purpose(path: Path) -> str:
+    """A module's purpose: the first paragraph of its docstring, joined into one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def _one_sentence(purpose: str) -> bool:
+    text = purpose.replace("e.g.", "eg").replace("i.e.", "ie")
+    return bool(text) and text.endswith((".", ":", "?")) and not any(
+        stop in text[:-1] for stop in (". ", "? ", "! "))
+
+
+def test_every_module_states_one_purpose_in_one_sentence():
+    """A module is cut by its concept: its docstring opens with the one thing it holds.
+
+    Size is not the rule (a concept may need more lines than a reader likes; such a module gets a
+    warning below), but a module whose opening paragraph needs two sentences, or none, holds two
+    things or nothing nameable, and is cut again.
+    """
+    wrong = {f"mpidp.{name}": _purpose(path) or "no docstring"
+             for name, path in sorted(_modules().items()) if not _one_sentence(_purpose(path))}
+    assert not wrong, "\n".join(f"{n}: {p!r}" for n, p in wrong.items())
+
+
+def test_the_purpose_check_catches_two_sentences_and_none(tmp_path):
+    two = tmp_path / "two.py"
+    two.write_text('"""Holds the pools. Also parses settings."""\n')
+    none = tmp_path / "none.py"
+    none.write_text("x = 1\n")
+    one = tmp_path / "one.py"
+    one.write_text('"""Round-robin pools of communicators, e.g. for DDP.\n\nMore here. And here."""\n')
+    assert not _one_sentence(_purpose(two)) and not _one_sentence(_purpose(none))
+    assert _one_sentence(_purpose(one))
+
+
+def test_modules_over_the_soft_size_warn():
     long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
-    assert not {n: c for n, c in long.items() if c > MOST_LINES}, \
-        {n: c for n, c in long.items() if c > MOST_LINES}
+    over = {f"mpidp.{n}": c for n, c in sorted(long.items()) if c > MOST_LINES}
+    if over:
+        warnings.warn(f"modules over {MOST_LINES} lines (a soft limit; cut by concept, not by "
+                      f"trimming): {over}", stacklevel=1)
