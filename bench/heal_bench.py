@@ -107,11 +107,11 @@ def zero_partner(name: str, model: nn.Module, width: int, blocks: int, block: in
     x, y = torch.randn(8, width), torch.randn(8, 1)
     _step(ddp, optimizer, x, y)
     optimizer.keep_partner_copy()
-    partner = optimizer._partner
+    partner = optimizer._healing.partner
     times = {"partner": [], "plain": []}
     for _ in range(blocks):
         for kind in times:
-            optimizer._partner = partner if kind == "partner" else None
+            optimizer._healing.partner = partner if kind == "partner" else None
             COMM.Barrier()
             began = time.perf_counter()
             for _ in range(block):

@@ -325,7 +325,7 @@ class Healer:
 
     def _parts(self) -> dict:
         checkpointer = self.checkpointer
-        optimizer = checkpointer.optimizer if self._zero is None else self._zero._local_state()
+        optimizer = checkpointer.optimizer if self._zero is None else self._zero._healing.local_state()
         parts = {"optimizer": optimizer, "scheduler": checkpointer.scheduler,
                  "scaler": checkpointer.scaler}
         parts.update({f"extra:{name}": obj for name, obj in checkpointer.extra.items()})
@@ -456,9 +456,9 @@ class Healer:
             snapshot = next((copy for copy in self._copies if copy["position"][0] == steps), None)
         if snapshot is not None:
             self._restore(snapshot)
-        pieces = agreement.watched_allgather(world, self._zero._heal_pieces(lost),
+        pieces = agreement.watched_allgather(world, self._zero._healing.heal_pieces(lost),
                                              "Healer: the ZeRO shards' states")
-        self._zero._regroup([piece for part in pieces for piece in part])
+        self._zero._healing.regroup([piece for part in pieces for piece in part])
         return None
 
     def _resplit(self, world: MPI.Intracomm, global_batch: int, loader: DataLoader) -> None:

@@ -1,10 +1,11 @@
 """``ZeroRedundancyOptimizer``: construction, the stage-2 gradient sink, stepping and clipping.
 
 The design (how elements are divided, stages 1 and 2) is described in
-``mpidp.zero``; the checkpoint methods are ``CheckpointMixin``'s
-(``checkpoint.py``), the flat buffers ``Bucket``'s (``bucket.py``) and the
-check that an optimizer class may be sharded ``elementwise_keys``
-(``elementwise.py``).
+``mpidp.zero``. The optimizer holds two parts, each with its own state: its
+``Checkpoint`` (``checkpoint.py``: state dicts, sharded saves) and its
+``Healing`` (``partner.py``: the partner copy and a heal's steps). The flat
+buffers are ``Bucket``'s (``bucket.py``) and the check that an optimizer class
+may be sharded ``elementwise_keys`` (``elementwise.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from .._args import check_bool, check_number, is_int
 from ..comm.agreement import agree, decide
 from ..ddp.buckets import Shards, assign_buckets
 from .bucket import Bucket
-from .checkpoint import CheckpointMixin
+from .checkpoint import Checkpoint, Piece
 from .elementwise import elementwise_keys
-from .partner import HealingMixin
+from .partner import Healing
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -32,7 +33,7 @@ _MB = 1024 * 1024
 _LABEL = "ZeroRedundancyOptimizer.{}: error agreement"
 
 
-class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """An optimizer whose state is sharded across the ranks (ZeRO stage 1, or 2 with a DDP).
 
     torch's ``ZeroRedundancyOptimizer`` interface: ``step()``, ``zero_grad()``,
@@ -121,7 +122,8 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
                "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
         # over the world in stage 1, a heal can rebuild it (mpidp.Healer, partner.py)
         self._over_world = stage == 1 and comm is None and process_group is None
-        self._partner = None  # keep_partner_copy()'s
+        self._checkpoint = Checkpoint(self)
+        self._healing = Healing(self, self._checkpoint)
         self._comm = _communicators.made(base.Dup(), f"ZeroRedundancyOptimizer {id(self):#x}",
                                          rebuild=self._rebuild if self._over_world else None)
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
@@ -153,7 +155,6 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
         for bucket in self._buckets:
             self._add_pieces(bucket)
         self._sync_back()
-        self._consolidated: dict | None = None
         self._ready = True
 
     # -- construction -----------------------------------------------------------------
@@ -243,6 +244,24 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
             self._add_bucket(members, Shards(sum(params[i].numel() for i in members),
                                              self.world, chunk), False)
 
+    def _lay_out_again(self, groups: list[dict]) -> None:
+        """Lay the parameters out over ``_comm`` as it is now, with a new inner optimizer of
+        hyperparameters ``groups`` (a heal's, after ``_rebuild``; its state is loaded next)."""
+        self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
+        self._buckets = []
+        self._lay_out(list(range(len(self._params()))))
+        self.optim = self.optimizer_class([dict(hyper, params=[]) for hyper in groups],
+                                          **self._defaults)
+        for bucket in self._buckets:
+            self._add_pieces(bucket)
+
+    def _rebuild(self, world: MPI.Intracomm) -> None:
+        """A new communicator over ``world`` (a heal's first step; the healing part's
+        ``regroup`` lays out the rest)."""
+        _communicators.release(self._comm)
+        self._comm = _communicators.made(world.Dup(), f"ZeroRedundancyOptimizer {id(self):#x}",
+                                         rebuild=self._rebuild)
+
     def _add_pieces(self, bucket: Bucket) -> None:
         group_of = self._group_of()
         for member, _, _, _, piece in bucket.pieces:
@@ -291,6 +310,12 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
             self._has[index] = self._has[index] or flag
 
     # -- stepping ---------------------------------------------------------------------
+
+    def _piece_states(self) -> list[Piece]:
+        """This rank's pieces that have state: ``(member, start, stop, state)`` (local)."""
+        return [(member, start, stop, self.optim.state[piece])
+                for bucket in self._buckets for member, start, stop, _, piece in bucket.pieces
+                if piece in self.optim.state and self.optim.state[piece]]
 
     def _owned_grads(self):
         """(bucket, piece, gradient of the piece or None) for each piece this rank owns."""
@@ -341,8 +366,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
                 piece.grad = grad
                 pieces.append(piece)
             self.optim.step()
-            if self._partner is not None:
-                self._partner.step(self)
+            self._healing.step()
         except Exception as caught:  # on one rank, it would leave the others in the allgathers
             error = caught
         finally:
@@ -423,6 +447,61 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
                             params[member].grad.mul_(coefficient)
         return torch.tensor(total, dtype=torch.float32, device=self._params()[0].device)
 
+    # -- checkpoints and heals: the parts' ------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` for ``state_dict()`` (collective)."""
+        self._checkpoint.consolidate_state_dict(to)
+
+    def state_dict(self) -> dict:
+        """The whole state, in the inner optimizer's format, after ``consolidate_state_dict``.
+
+        Raises:
+            RuntimeError: on a rank that did not receive the consolidated state (as torch's).
+        """
+        return self._checkpoint.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state dict (``state_dict()`` of this class or of a plain torch optimizer
+        over the same parameters), given on every rank; each keeps its shard (collective)."""
+        self._healing.loaded(self._checkpoint.load_state_dict(state_dict))
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the state, with where each piece lies in its parameter.
+
+        Any number of ranks can load the set of all ranks' dicts with
+        ``load_sharded_state_dict`` (local; see ``save_sharded``).
+        """
+        return self._checkpoint.sharded_state_dict()
+
+    def load_sharded_state_dict(self, shards: Sequence[dict]) -> None:
+        """Load from every saved rank's ``sharded_state_dict()`` (any number of ranks; collective)."""
+        self._healing.loaded(self._checkpoint.load_sharded_state_dict(shards))
+
+    def save_sharded(self, directory: str) -> None:
+        """Write this rank's ``sharded_state_dict()`` to ``directory`` (collective).
+
+        One file per rank, ``zero-rank{r:05d}-of-{N:05d}.pt`` (``zero-rank00001-of-00004.pt``
+        is rank 1 of 4); files of a save at another number of ranks are removed
+        first. ``load_sharded`` reads them back at any number of ranks. The
+        directory must be shared by the ranks that will load it.
+        """
+        self._checkpoint.save_sharded(directory)
+
+    def load_sharded(self, directory: str) -> None:
+        """Load what ``save_sharded`` wrote, at any number of ranks (collective)."""
+        self._healing.loaded(self._checkpoint.load_sharded(directory))
+
+    def keep_partner_copy(self) -> None:
+        """From now on also step rank ``r - 1``'s shard here (collective; see ``Partner``).
+
+        The copy starts from that rank's state now (one message each way).
+
+        Raises:
+            ValueError: on every rank, for stage 2 (only the own gradient shard is kept).
+        """
+        self._healing.keep_partner_copy()
+
     # -- param groups -----------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
@@ -454,8 +533,7 @@ class ZeroRedundancyOptimizer(CheckpointMixin, HealingMixin, torch.optim.Optimiz
         for bucket in self._buckets[first:]:
             self._add_pieces(bucket)
         self._sync_back()
-        if self._partner is not None:  # the new pieces start without state, as their owner's
-            self._partner = type(self._partner)(self, self._partner.states())
+        self._healing.param_group_added()
 
     def __repr__(self) -> str:
         return (f"ZeroRedundancyOptimizer(stage={self.stage}, rank {self.rank} of {self.world}, "

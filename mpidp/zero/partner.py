@@ -15,12 +15,27 @@ partner could step another's.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from .. import communicators as _communicators
 from ..comm.handle import collective
+from .checkpoint import Checkpoint, Piece, Sharded, merge
 
-__all__ = ["HealingMixin", "LocalState", "Partner"]
+__all__ = ["Healable", "Healing", "LocalState", "Partner"]
+
+
+class Healable(Sharded, Protocol):
+    """What the healing part reads of a ``ZeroRedundancyOptimizer``, and the one thing it
+    asks of it: ``_lay_out_again``, over the communicator a heal gave it."""
+
+    optimizer_class: type
+    stage: int
+    _defaults: dict  # the inner optimizer's arguments
+
+    def _group_of(self) -> list[int]: ...
+
+    def _lay_out_again(self, groups: list[dict]) -> None: ...
 
 
 class Partner:
@@ -32,7 +47,7 @@ class Partner:
             state from (those of rank ``of`` at least), or None: no state yet.
     """
 
-    def __init__(self, zero, pieces=None):
+    def __init__(self, zero: Healable, pieces: list[Piece] | None = None):
         self.of = (zero.rank - 1) % zero.world
         params, group_of = zero._params(), zero._group_of()
         self.optim = zero.optimizer_class(
@@ -50,7 +65,7 @@ class Partner:
             self.load(zero, pieces)
 
     @torch.no_grad()
-    def step(self, zero) -> None:
+    def step(self, zero: Healable) -> None:
         """Step the copy as rank ``of`` steps its shard (local; inside ``zero.step()``, before
         the allgather)."""
         for outer, inner in zip(zero.param_groups, self.optim.param_groups):
@@ -65,18 +80,18 @@ class Partner:
             for *_, piece in self.pieces:
                 piece.grad = None
 
-    def states(self) -> list[tuple[int, int, int, dict]]:
+    def states(self) -> list[Piece]:
         """The copy's pieces with their state, as ``sharded_state_dict()``'s (local)."""
         return [(member, start, stop, dict(self.optim.state[piece]))
                 for member, start, stop, piece in self.pieces
                 if piece in self.optim.state and self.optim.state[piece]]
 
-    def load(self, zero, pieces) -> None:
+    def load(self, zero: Healable, pieces: list[Piece]) -> None:
         """Take the copy's state from saved ``pieces`` (local)."""
         state, order = {}, [piece for group in self.optim.param_groups for piece in group["params"]]
         position = {id(piece): k for k, piece in enumerate(order)}
         for member, start, stop, piece in self.pieces:
-            merged = zero._merge(pieces, member, start, stop)
+            merged = merge(pieces, member, start, stop, zero._sharded_keys)
             if merged is not None:
                 state[position[id(piece)]] = merged
         groups, first = [], 0
@@ -86,71 +101,80 @@ class Partner:
         self.optim.load_state_dict({"state": state, "param_groups": groups})
 
 
-class HealingMixin:
+class Healing:
     """What ``mpidp.Healer`` needs of a ``ZeroRedundancyOptimizer`` (stage 1, over the world).
 
-    A heal, in the Healer's order: ``_rebuild(world)`` (a new communicator over
-    the survivors, from ``mpidp.communicators.rebuild_all``); every survivor
-    takes back its own copy of the state at one agreed step
-    (``_local_state()``'s); ``_heal_pieces(lost)`` on every survivor, allgathered;
-    ``_regroup(pieces)``, which lays the optimizer out over the survivors and
+    A heal, in the Healer's order: the optimizer's ``_rebuild(world)`` (a new
+    communicator over the survivors, from ``mpidp.communicators.rebuild_all``);
+    every survivor takes back its own copy of the state at one agreed step
+    (``local_state()``'s); ``heal_pieces(lost)`` on every survivor, allgathered;
+    ``regroup(pieces)``, which lays the optimizer out over the survivors and
     takes each new shard's state from those pieces.
+
+    Args:
+        zero: the optimizer it belongs to, read at each call (``Healable``).
+        checkpoint: that optimizer's checkpoint part, which loads the pieces at a regroup.
     """
 
+    def __init__(self, zero: Healable, checkpoint: Checkpoint):
+        self._zero = zero
+        self._checkpoint = checkpoint
+        self.partner: Partner | None = None  # keep_partner_copy()'s
+
     def keep_partner_copy(self) -> None:
-        """From now on also step rank ``r - 1``'s shard here (collective; see ``Partner``).
-
-        The copy starts from that rank's state now (one message each way).
-
-        Raises:
-            ValueError: on every rank, for stage 2 (only the own gradient shard is kept).
-        """
-        if self.stage != 1:
+        """Step rank ``r - 1``'s shard here too, from its state now (collective; see
+        ``ZeroRedundancyOptimizer.keep_partner_copy``)."""
+        zero = self._zero
+        if zero.stage != 1:
             raise ValueError("a partner copy needs the whole gradients of stage=1; stage=2 "
                              "keeps only this rank's shard of them")
         mine = [(member, start, stop, {key: value.detach().cpu() if isinstance(value, torch.Tensor)
                                        else value for key, value in state.items()})
-                for member, start, stop, state in self._piece_states()]
-        theirs = collective(self._comm, "sendrecv",
-                            (mine, (self.rank + 1) % self.world, 0, None,
-                             (self.rank - 1) % self.world),
+                for member, start, stop, state in zero._piece_states()]
+        theirs = collective(zero._comm, "sendrecv",
+                            (mine, (zero.rank + 1) % zero.world, 0, None,
+                             (zero.rank - 1) % zero.world),
                             "ZeroRedundancyOptimizer.keep_partner_copy() (sendrecv)")
-        self._partner = Partner(self, theirs)
+        self.partner = Partner(zero, theirs)
 
-    def _local_state(self) -> "LocalState":
+    def step(self) -> None:
+        """Step the partner copy, if one is kept (local; in ``step()``, before the allgather)."""
+        if self.partner is not None:
+            self.partner.step(self._zero)
+
+    def loaded(self, pieces: list[Piece]) -> None:
+        """The optimizer loaded ``pieces``: the partner copy takes its state from them too."""
+        if self.partner is not None:
+            self.partner.load(self._zero, pieces)
+
+    def param_group_added(self) -> None:
+        """The new pieces start without state, as their owner's (local)."""
+        if self.partner is not None:
+            self.partner = Partner(self._zero, self.partner.states())
+
+    def local_state(self) -> "LocalState":
         """This rank's own state, partner copy and hyperparameters, as a torch optimizer's
         ``state_dict``/``load_state_dict`` pair (local: a Healer's copy at each step)."""
-        return LocalState(self)
+        return LocalState(self._zero, self)
 
-    def _rebuild(self, world) -> None:
-        """A new communicator over ``world`` (a heal's first step; ``_regroup`` lays out the rest)."""
-        _communicators.release(self._comm)
-        self._comm = _communicators.made(world.Dup(), f"ZeroRedundancyOptimizer {id(self):#x}",
-                                         rebuild=self._rebuild)
-
-    def _heal_pieces(self, lost) -> list:
+    def heal_pieces(self, lost) -> list[Piece]:
         """This rank's pieces, and its partner copy's if that rank was lost (local)."""
-        pieces = list(self._piece_states())
-        if self._partner is not None and self._partner.of in lost:
-            pieces += self._partner.states()
+        pieces = list(self._zero._piece_states())
+        if self.partner is not None and self.partner.of in lost:
+            pieces += self.partner.states()
         return [(member, start, stop, {key: value.detach().cpu() if isinstance(value, torch.Tensor)
                                        else value for key, value in state.items()})
                 for member, start, stop, state in pieces]
 
-    def _regroup(self, pieces) -> None:
+    def regroup(self, pieces: list[Piece]) -> None:
         """Lay the optimizer out over its new communicator; each shard's state from ``pieces``
         (every old shard's, the same on every rank; collective)."""
-        groups = [self._hyper(group) for group in self.param_groups]
-        self._partner = None  # the old layout's; made again below
-        self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
-        self._buckets = []
-        self._lay_out(list(range(len(self._params()))))
-        self.optim = self.optimizer_class([dict(hyper, params=[]) for hyper in groups],
-                                          **self._defaults)
-        for bucket in self._buckets:
-            self._add_pieces(bucket)
-        self._load_pieces(pieces, groups)
-        self._partner = Partner(self, pieces) if self.world > 1 else None
+        zero = self._zero
+        groups = [zero._hyper(group) for group in zero.param_groups]
+        self.partner = None  # the old layout's; made again below
+        zero._lay_out_again(groups)
+        self._checkpoint.load_pieces(pieces, groups)
+        self.partner = Partner(zero, pieces) if zero.world > 1 else None
 
 
 class LocalState:
@@ -158,21 +182,26 @@ class LocalState:
 
     Loading gives the inner optimizers tensors of the dict itself (as torch's
     ``load_state_dict`` does): copy the dict first if it must stay unchanged.
+
+    Args:
+        zero: the optimizer.
+        healing: its healing part, whose partner copy is saved and loaded too.
     """
 
-    def __init__(self, zero):
+    def __init__(self, zero: Healable, healing: Healing):
         self.zero = zero
+        self.healing = healing
 
     def state_dict(self) -> dict:
-        zero = self.zero
+        zero, partner = self.zero, self.healing.partner
         return {"own": zero.optim.state_dict(),
-                "partner": zero._partner.optim.state_dict() if zero._partner else None,
+                "partner": partner.optim.state_dict() if partner else None,
                 "groups": [zero._hyper(group) for group in zero.param_groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        zero = self.zero
+        zero, partner = self.zero, self.healing.partner
         zero.optim.load_state_dict(state["own"])
-        if zero._partner is not None:
-            zero._partner.optim.load_state_dict(state["partner"])
+        if partner is not None:
+            partner.optim.load_state_dict(state["partner"])
         for outer, hyper in zip(zero.param_groups, state["groups"]):
             outer.update(hyper)  # the inner groups take them at the next step()

@@ -192,8 +192,8 @@ def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directo
     checkpointer = mpidp.Checkpointer(directory, model=model, optimizer=optimizer,
                                       sampler=sampler, batch_size=2, signals=())
     healer = mpidp.Healer(checkpointer)
-    assert healer.active and optimizer._partner is not None
-    assert optimizer._partner.of == (COMM.Get_rank() - 1) % COMM.Get_size()
+    assert healer.active and optimizer._healing.partner is not None
+    assert optimizer._healing.partner.of == (COMM.Get_rank() - 1) % COMM.Get_size()
     checkpointer.close()
     model.close()
     mpidp.communicators.free(optimizer._comm)

@@ -949,7 +949,7 @@ def assert_copy_is_the_previous_ranks(opt):
     """This rank's partner copy equals the previous rank's own state, bit for bit."""
     theirs = MPI.COMM_WORLD.sendrecv(opt._piece_states(), dest=(RANK + 1) % SIZE,
                                      source=(RANK - 1) % SIZE)
-    copy = opt._partner.states()
+    copy = opt._healing.partner.states()
     assert [piece[:3] for piece in copy] == [piece[:3] for piece in theirs]
     for (*_, mine), (*_, own) in zip(copy, theirs):
         assert sorted(mine) == sorted(own)
@@ -1006,8 +1006,8 @@ def test_a_partner_copy_is_its_ranks_shard_and_rebuilds_it_when_that_rank_is_gon
         mpidp.communicators.release(opt._comm)
     else:
         opt._rebuild(survivors)
-        pieces = survivors.allgather(opt._heal_pieces([lost]))
-        opt._regroup([piece for part in pieces for piece in part])
+        pieces = survivors.allgather(opt._healing.heal_pieces([lost]))
+        opt._healing.regroup([piece for part in pieces for piece in part])
         assert (opt.rank, opt.world) == (RANK, SIZE - 1)
         for step in range(STEPS, STEPS + half):
             full_batch_step(model, opt, step)
