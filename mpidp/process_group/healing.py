@@ -1,0 +1,196 @@
+"""torch.distributed groups over ``"mpidp"`` after a heal: made again over the survivors.
+
+A torch ``ProcessGroup`` holds its rank and size in C++, fixed when it is made:
+torch's DDP reducer divides by that size, FSDP and DeviceMesh read it, and no
+call changes it (``ProcessGroup.__init__`` run again on the object leaves it as
+it was). So a group cannot follow a heal in place. The rule instead, as a run
+restarted at the new size would do it:
+
+1. The default group is made again: every old group of mpidp's is closed
+   (its revoked communicators released, its pending operations failed, every
+   later call raising that a heal replaced it), ``destroy_process_group``
+   forgets torch's tables, and ``init_process_group("mpidp")`` runs over the
+   survivors (``mpidp.runtime.world()``), with a process-local store: the
+   rendezvous store's server thread on rank 0 does not follow a heal.
+2. Every group made with ``new_group`` is made again over its surviving
+   members, their ranks those of the new world, with its timeout. Every
+   survivor makes them in one order (the union of the survivors' groups,
+   sorted by name, agreed), as torch's ``new_group`` wants; a group with no
+   survivor is gone.
+3. ``healed(group)`` names the group that stands for an old one now;
+   ``dist.group.WORLD`` and calls without ``group=`` reach the new default
+   group by themselves. torch's ``DistributedDataParallel`` follows with
+   ``follow(ddp)`` (its ``_update_process_group``, which torch keeps for a
+   world that shrinks: new buckets, the new size); ``mpidp.Healer`` calls it
+   for the Checkpointer's model.
+
+``adopt(group)`` (the backend's creator) names ``rebuild`` as the way every
+communicator of a group is made again (``mpidp.communicators``), so that one
+call per heal remakes them all. Groups built on a world whose default group is
+not mpidp's cannot follow (the heal refuses them, naming them).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .. import communicators as _communicators
+from .. import errors as _errors
+from ..comm import agreement
+
+__all__ = ["adopt", "rebuild", "healed", "follow", "problem", "ddp_problem", "arm", "takes",
+           "raise_lost"]
+
+_c10d = dist.distributed_c10d
+_replaced: dict = {}  # an old group -> the group made for it by a heal (None: no survivor)
+_armed: list = []  # a Healer that can heal is there (arm)
+_lost: list = []  # lost-rank errors a future did not carry (takes), until raise_lost
+
+
+def arm() -> None:
+    """A ``mpidp.Healer`` will heal a lost rank: ``takes`` keeps lost-rank errors from futures."""
+    _armed[:] = [True]
+
+
+def takes(error: BaseException) -> bool:
+    """Whether a future's lost-rank ``error`` is kept for ``raise_lost`` instead (any thread).
+
+    torch's DistributedDataParallel reads its buckets' futures in C++, which
+    crashes (SIGSEGV) on a future that holds an error; so where a Healer can
+    heal, a future whose operation lost a rank gets its tensors unreduced, and
+    the Healer's ``guard()`` raises the error when the step ends: the step is
+    taken back, and nothing computed from those tensors is kept.
+    """
+    if not _armed or not _errors.lost_rank(error):
+        return False
+    _lost.append(error)
+    return True
+
+
+def raise_lost() -> None:
+    """Raise the first lost-rank error ``takes`` kept since the last heal (local)."""
+    if _lost:
+        raise _lost[0]
+
+
+def adopt(group) -> None:
+    """Have ``rebuild`` make ``group``'s communicators again after a heal (local)."""
+    for comm in (*group._pool.comms, group._chunk_comm, group._mpi):
+        _communicators.set_rebuild(comm, rebuild)  # the world, not registered, is left out
+
+
+def _members(group) -> list[int]:
+    """``group``'s global ranks in group-rank order; [] for the default group."""
+    if group is _c10d._world.default_pg:
+        return []
+    ranks = _c10d._world.pg_group_ranks.get(group, {})
+    return sorted(ranks, key=ranks.get)
+
+
+def _ours() -> list:
+    """This rank's groups over "mpidp", the default first (torch's order of making them)."""
+    from . import ProcessGroupMPIDP  # noqa: PLC0415 (the package imports this module)
+
+    return [group for group in _c10d._world.pg_map if isinstance(group, ProcessGroupMPIDP)]
+
+
+def problem() -> str | None:
+    """Why torch's groups cannot follow a heal (None: they can, or there are none; local)."""
+    if not dist.is_initialized():
+        return None
+    from . import ProcessGroupMPIDP  # noqa: PLC0415
+
+    default = _c10d._world.default_pg
+    if not isinstance(default, ProcessGroupMPIDP) and _ours():
+        return (f"torch.distributed groups over \"mpidp\" under a default group of backend "
+                f"{dist.get_backend()!r}, which cannot be made again")
+    return None
+
+
+def ddp_problem(ddp) -> str | None:
+    """Why torch's ``DistributedDataParallel`` ``ddp`` cannot follow a heal (None: it can; local)."""
+    from . import ProcessGroupMPIDP  # noqa: PLC0415
+
+    group = ddp.process_group
+    if not isinstance(group, ProcessGroupMPIDP) or group is not _c10d._world.default_pg:
+        return (f"torch's DistributedDataParallel follows a heal over the default group of "
+                f"\"mpidp\" only, got {group!r}: a group of some ranks is made again over its "
+                f"survivors, and the global batch is the whole world's")
+    return None
+
+
+def _close(group, why: str, default: bool) -> None:
+    """Release a healed-over group's communicators (local) and fail its every use."""
+    group._aborted = why
+    group.abort()
+    for comm in (*group._pool.comms, group._chunk_comm, *(() if default else (group._mpi,))):
+        _communicators.release(comm)  # the default group's is the runtime's world
+    group._pool.comms = []  # shutdown() frees nothing more
+
+
+def _seconds(group) -> float | None:
+    timeout = group._timeout
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+
+
+def rebuild(world: MPI.Intracomm) -> None:
+    """Make torch's default group and every mpidp group again over ``world``.
+
+    Collective over ``world`` (the survivors; ``mpidp.communicators.rebuild_all``
+    calls it once per heal, ``mpidp.runtime.set_world(world)`` done).
+    """
+    _lost.clear()  # the old groups' errors
+    groups = _ours()
+    if not groups:
+        return
+    default = _c10d._world.default_pg
+    old = default._mpi
+    names = [_c10d._world.pg_names[group] for group in groups[1:]]
+    mine = [(name, _members(group), _seconds(group)) for name, group in zip(names, groups[1:])]
+    union = {name: (members, seconds) for facts in agreement.watched_allgather(
+        world, mine, "torch.distributed groups after a heal: which are there?")
+        for name, members, seconds in facts}
+    translated = MPI.Group.Translate_ranks(old.Get_group(), list(range(old.Get_size())),
+                                           world.Get_group())
+    why = ("a heal replaced it after a lost rank: use mpidp.process_group.healing.healed(group) "
+           "for the group over the survivors")
+    for group in groups:
+        _close(group, why, group is default)
+    seconds = _seconds(default)
+    dist.destroy_process_group()
+    dist.init_process_group("mpidp", store=dist.HashStore(), rank=world.Get_rank(),
+                            world_size=world.Get_size(),
+                            **_timeout(seconds))
+    _replaced[default] = _c10d._world.default_pg
+    made = {}
+    for name in sorted(union):
+        members, seconds = union[name]
+        ranks = [translated[r] for r in members if translated[r] != MPI.UNDEFINED]
+        made[name] = dist.new_group(ranks, **_timeout(seconds)) if ranks else None
+    for name, group in zip(names, groups[1:]):
+        new = made[name]
+        _replaced[group] = new if isinstance(new, dist.ProcessGroup) else None
+
+
+def _timeout(seconds: float | None) -> dict:
+    return {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
+
+
+def healed(group):
+    """The group that stands for ``group`` after the heals so far: ``group`` itself if no
+    heal replaced it, None if none of its members survived (local)."""
+    while group in _replaced:
+        group = _replaced[group]
+    return group
+
+
+def follow(ddp) -> None:
+    """Move torch's ``DistributedDataParallel`` onto the group that replaced its own (local).
+
+    torch's ``_update_process_group`` resets its reducer and rebuilds its buckets
+    at the next backward, with the new group's size as the divisor.
+    """
+    ddp._update_process_group(healed(ddp.process_group))
