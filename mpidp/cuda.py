@@ -10,7 +10,7 @@ The decision is made once, at import, and is the same on every rank:
    pointers to a library that cannot read them would crash the job;
 4. a library that says yes is checked by a small device allreduce against the
    expected sum, and every rank must pass (an allreduce of the verdicts);
-5. every rank's facts are gathered first (``agree``): the probe runs only when
+5. every rank's facts are gathered first (``job_decision``): the probe runs only when
    every rank would run it, and ``MPIDP_CUDA_AWARE`` set on some ranks only is
    an error on every rank.
 
@@ -38,8 +38,9 @@ from mpi4py import MPI
 from . import runtime, settings
 from . import watchdog as _watchdog
 
-__all__ = ["Decision", "agree", "cuda_aware", "decide", "decision", "device_index", "gpu_identity",
-           "carried", "forced", "library_reports_cuda", "local_device", "paths", "placements", "takes_device_memory"]
+__all__ = ["Decision", "cuda_aware", "decision", "device_index", "gpu_identity", "carried",
+           "forced", "job_decision", "library_reports_cuda", "local_device", "paths", "placements",
+           "rank_decision", "takes_device_memory"]
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 
@@ -80,9 +81,9 @@ def library_reports_cuda() -> bool | None:
     return None
 
 
-def decide(override: str | None, has_gpu: bool, reported: bool | None, probe,
-           blocking_only: bool = False) -> Decision:
-    """Combine the override, the hardware, the library's word and the probe (called last).
+def rank_decision(override: str | None, has_gpu: bool, reported: bool | None, probe,
+                  blocking_only: bool = False) -> Decision:
+    """Combine one rank's override, hardware, library's word and the probe (called last).
 
     Args:
         override: ``MPIDP_CUDA_AWARE`` read by ``mpidp.settings`` and normalised ("0", "1" or None).
@@ -190,7 +191,7 @@ def _probe() -> bool:
                                   int(ok), op=MPI.MIN))
 
 
-def agree(states: list[tuple], rank: int, probe, blocking_only: bool = False) -> Decision:
+def job_decision(states: list[tuple], rank: int, probe, blocking_only: bool = False) -> Decision:
     """The decision of ``rank`` from every rank's ``(override, has_gpu, reported)``.
 
     Every rank calls this with the same gathered states, so every rank takes the
@@ -198,16 +199,27 @@ def agree(states: list[tuple], rank: int, probe, blocking_only: bool = False) ->
     only where every rank sees a GPU and a library that claims CUDA support; a
     job where only some do stages device memory through the host everywhere.
     """
-    overrides = sorted({str(state[0]) for state in states})
-    if len(overrides) > 1:
-        raise ValueError(f"MPIDP_CUDA_AWARE must be set alike on every rank, got "
-                         f"{', '.join(overrides)} (None: unset)")
+    error = _overrides_alike(states)
+    if error is not None:
+        raise error
     override, has_gpu, reported = states[rank]
     claims = [bool(gpu and said) for _, gpu, said in states]
     if override is None and any(claims) and not all(claims):
         return Decision(False, "not every rank sees a GPU and a CUDA-aware MPI library; host "
                                "staging everywhere")
-    return decide(override, has_gpu, reported, probe, blocking_only)
+    return rank_decision(override, has_gpu, reported, probe, blocking_only)
+
+
+# the former names, kept for their callers (mpidp.comm.agreement has an agree and a decide)
+agree, decide = job_decision, rank_decision
+
+
+def _overrides_alike(states: list[tuple]) -> ValueError | None:
+    overrides = sorted({str(state[0]) for state in states})
+    if len(overrides) > 1:
+        return ValueError(f"MPIDP_CUDA_AWARE must be set alike on every rank, got "
+                          f"{', '.join(overrides)} (None: unset)")
+    return None
 
 
 def _blocking_only() -> bool:
@@ -222,16 +234,18 @@ def decision() -> Decision:
     Every rank takes part, GPU or not, and ``_start_up`` makes it at import on
     every rank, so later calls (``python -m mpidp info`` on rank 0, the first
     staged transfer) only read the cached answer. A node where no GPU is visible
-    must not leave the others waiting in the probe's allreduce (``agree``).
+    must not leave the others waiting in the probe's allreduce (``job_decision``).
     """
+    from .comm import agreement  # noqa: PLC0415  (mpidp.comm imports this module)
+
     runtime.require_mpi()
     has_gpu = torch.cuda.is_available()
-    override = settings.get("MPIDP_CUDA_AWARE")  # any accepted spelling, normalised for decide
+    override = settings.get("MPIDP_CUDA_AWARE")  # any accepted spelling, normalised for rank_decision
     override = None if override is None else str(int(override))
     reported = library_reports_cuda() if has_gpu else None
-    states = _watchdog.watched("import mpidp: each rank's GPU and CUDA-aware setting (allgather)",
-                               MPI.COMM_WORLD.allgather, (override, has_gpu, reported))
-    return agree(states, MPI.COMM_WORLD.Get_rank(), _probe, _blocking_only())
+    states = agreement.decide(MPI.COMM_WORLD, (override, has_gpu, reported), _overrides_alike,
+                              "import mpidp: each rank's GPU and CUDA-aware setting (allgather)")
+    return job_decision(states, MPI.COMM_WORLD.Get_rank(), _probe, _blocking_only())
 
 
 _forced: list[Decision] = []  # innermost last: ``forced`` blocks in force in this process

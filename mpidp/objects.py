@@ -152,12 +152,9 @@ def _pickled_with_sizes(mpi, obj, what: str) -> tuple[bytes, list[int], list[int
     Raises ``pickle.PicklingError`` on every rank if any rank's object cannot be pickled.
     """
     data, error = _dumps(obj)
-    headers = collective(mpi, "allgather", ((None if data is None else len(data), error),),
-                         f"{what} (the sizes)")
-    errors = [error for _, error in headers]
-    if any(error is not None for error in errors):
-        raise pickle.PicklingError(f"{what}: an object cannot be pickled on "
-                                   f"{_agreement.by_rank(errors)}")
+    unpicklable = _failed(pickle.PicklingError, f"{what}: an object cannot be pickled on")
+    headers = _agreement.decide(mpi, (None if data is None else len(data), error), unpicklable,
+                                f"{what} (the sizes)")
     counts = [nbytes for nbytes, _ in headers]
     return data, counts, [0, *itertools.accumulate(counts)]
 
@@ -232,24 +229,46 @@ def average(value, *, comm=None):
     """
     mpi = _start(comm, "average")
     local, error = _numbers(value)
-    gathered = collective(mpi, "allgather", ((local, error),), "average (allgather)")
-    errors = [error for _, error in gathered]
-    if any(error is not None for error in errors):
-        raise TypeError(f"average: {_agreement.by_rank(errors)}")
+    gathered = _agreement.decide(mpi, (local, error), _averageable, "average (allgather)")
     values = [local for local, _ in gathered]
-    kinds = [type(v).__name__.replace("float", "number") for v in values]
-    if kinds.count(kinds[0]) != len(kinds):
-        raise TypeError(f"average: ranks mix numbers and dicts: {_agreement.by_rank(kinds)}")
-    if kinds[0] == "number":
+    if isinstance(local, float):
         return sum(values) / len(values)  # builtin sum: left to right, in rank order
-    if kinds[0] == "list":
+    if isinstance(local, list):
         every = [number for numbers_of in values for number in numbers_of]
-        if not every:
-            raise ValueError("average: every rank's list is empty; there is nothing to average")
         return sum(every) / len(every)
-    keys = [sorted(map(repr, v)) for v in values]
+    return {key: sum(v[key] for v in values) / len(values) for key in local}
+
+
+def _failed(kind: type, what: str):
+    """The ``agreement.decide`` judge of facts ``(value, problem)``: ``kind`` naming each
+    rank's problem, if any rank has one."""
+    def judge(facts: list):
+        problems = [problem for _, problem in facts]
+        if any(problem is not None for problem in problems):
+            return kind(f"{what} {_agreement.by_rank(problems)}")
+        return None
+    return judge
+
+
+def _kind(value) -> str:
+    return type(value).__name__.replace("float", "number")
+
+
+def _averageable(facts: list):
+    """``average``'s judge: every rank's value a number, or all lists, or dicts of one set of keys."""
+    error = _failed(TypeError, "average:")(facts)
+    if error is not None:
+        return error
+    kinds = [_kind(value) for value, _ in facts]
+    if kinds.count(kinds[0]) != len(kinds):
+        return TypeError(f"average: ranks mix numbers and dicts: {_agreement.by_rank(kinds)}")
+    if kinds[0] == "list" and not any(value for value, _ in facts):
+        return ValueError("average: every rank's list is empty; there is nothing to average")
+    if kinds[0] != "dict":
+        return None
+    keys = [sorted(map(repr, value)) for value, _ in facts]
     if keys.count(keys[0]) != len(keys):
         described = [f"keys {', '.join(k)}" for k in keys]
-        raise ValueError(f"average: the dicts' keys differ across ranks: "
-                         f"{_agreement.by_rank(described)}; every rank must report the same keys")
-    return {key: sum(v[key] for v in values) / len(values) for key in local}
+        return ValueError(f"average: the dicts' keys differ across ranks: "
+                          f"{_agreement.by_rank(described)}; every rank must report the same keys")
+    return None

@@ -251,17 +251,11 @@ def _agreed_start(world: MPI.Intracomm) -> tuple[bool, str | None]:
         problem = None
     except ValueError as error:
         export, kind, mine, problem = False, "", "", str(error)
-    every = agreement.watched_allgather(world, (mine, problem), "import mpidp: the rendezvous "
-                                        "settings of every rank")
-    problems = [problem for _, problem in every]
-    if any(problems):
-        raise ValueError(f"import mpidp: {agreement.by_rank(problems)}")
-    if len({setting for setting, _ in every}) > 1:
-        raise ValueError(
-            f"import mpidp: MPIDP_EXPORT_ENV, MPIDP_STORE, MASTER_ADDR and MASTER_PORT must be "
-            f"set alike on every rank (together they decide whether import mpidp starts the "
-            f"rendezvous store, which every rank takes part in); got "
-            f"{agreement.by_rank([setting for setting, _ in every])}")
+    agreement.decide(world, (mine, problem), _alike(
+        "import mpidp:", "MPIDP_EXPORT_ENV, MPIDP_STORE, MASTER_ADDR and MASTER_PORT must be set "
+        "alike on every rank (together they decide whether import mpidp starts the rendezvous "
+        "store, which every rank takes part in)"),
+        "import mpidp: the rendezvous settings of every rank")
     user_master = settings.given("MASTER_ADDR") or settings.given("MASTER_PORT")
     return export, (kind if export and not user_master else None)
 
@@ -418,19 +412,28 @@ def _agree_on_init(backend: str, store, kwargs: dict) -> None:
     store_text = store if store is None or isinstance(store, str) else type(store).__name__
     mine = (f"backend={backend!r}, store={store_text!r}, "
             f"init_method={kwargs.get('init_method')!r}")
-    every = agreement.watched_allgather(
+    every = agreement.decide(
         world, (mine, _init_problem(backend, store, kwargs), _state.count),
+        _alike("init_process_group:",
+               "every rank must pass the same backend, store and init_method"),
         "init_process_group: the arguments of every rank")
     # each rendezvous takes the next key prefix; an init that failed on one rank after
     # its rendezvous (caught, then retried) must not leave the ranks' prefixes apart
-    _state.count = max(count for _, _, count in every)
-    every = [(setting, problem) for setting, problem, _ in every]
-    problems = [problem for _, problem in every]
-    if any(problems):
-        raise ValueError(f"init_process_group: {agreement.by_rank(problems)}")
-    if len({setting for setting, _ in every}) > 1:
-        raise ValueError(f"init_process_group: every rank must pass the same backend, store and "
-                         f"init_method; got {agreement.by_rank([m for m, _ in every])}")
+    _state.count = max(fact[2] for fact in every)
+
+
+def _alike(what: str, rule: str):
+    """The ``agreement.decide`` judge of facts ``(setting, problem, ...)``: each rank's problem
+    if any rank has one, else ``rule`` broken where the settings differ (``ValueError``)."""
+    def judge(facts: list):
+        problems = [fact[1] for fact in facts]
+        if any(problems):
+            return ValueError(f"{what} {agreement.by_rank(problems)}")
+        settings_of = [fact[0] for fact in facts]
+        if len(set(settings_of)) > 1:
+            return ValueError(f"{what} {rule}; got {agreement.by_rank(settings_of)}")
+        return None
+    return judge
 
 
 def with_group_timeout(backend: str, kwargs: dict) -> dict:

@@ -78,7 +78,7 @@ _DECLARED = (
             "the default of DistributedDataParallel(shared_memory=None)"),
     Setting("MPIDP_SHM_NODE_SIZE", "integer", 0, "use",
             "testing: pretend that blocks of this many consecutive ranks are nodes"),
-    Setting("MPIDP_STAGE_CPU", "flag", False, "use",
+    Setting("MPIDP_STAGE_CPU", "flag", False, "import",
             "testing: send CPU tensors through the host-staging path"),
     Setting("MPIDP_STORE", "choice", None, "use",
             "the store handed to torch; unset: mpi (tcp below MPI_THREAD_MULTIPLE)",

@@ -22,9 +22,9 @@ from .. import watchdog as _watchdog
 from .handle import collective
 from .pool import _collective_comm
 
-__all__ = ["agree", "agree_facts", "all_equal", "any_failed", "by_rank", "decide", "decide_rows",
-           "extremes", "gather_rows", "raise_gathered", "raise_together", "survivors_agree",
-           "watched_allgather"]
+__all__ = ["agree", "agree_facts", "all_equal", "any_failed", "by_rank", "decide", "decide_alike",
+           "decide_rows", "extremes", "gather_rows", "judged", "raise_gathered", "raise_together",
+           "survivors_agree", "watched_allgather"]
 
 
 def watched_allgather(comm: MPI.Intracomm, obj, label: str) -> list:
@@ -41,11 +41,35 @@ def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
     needed anyway; ``agree``/``raise_together``/``agree_facts`` send less when only
     a verdict is.
     """
-    facts = watched_allgather(comm, fact, label)
-    error = judge(facts)
+    facts, error = judged(comm, fact, judge, label)
     if error is not None:
         raise error
     return facts
+
+
+def judged(comm: MPI.Intracomm, fact, judge, label: str) -> tuple[list, BaseException | None]:
+    """``decide`` that hands back its verdict instead of raising it: every rank's facts and
+    ``judge(facts)``, the same on every rank.
+
+    For a caller that must act on the facts before it raises (line a counter up),
+    or whose own rank has raised its own error already.
+    """
+    facts = watched_allgather(comm, fact, label)
+    return facts, judge(facts)
+
+
+def decide_alike(comm: MPI.Intracomm, summary, details, judge, label: str) -> list:
+    """Every rank's ``summary``; where they differ, ``judge(every rank's details())`` raised
+    on every rank.
+
+    ``decide`` for facts too large to send each time: the summaries (small and
+    comparable: a digest) travel always, ``details()`` only when they differ, and
+    ``judge`` may then return None (the difference is allowed) or the error.
+    """
+    summaries = watched_allgather(comm, summary, label)
+    if any(entry != summaries[0] for entry in summaries):  # the same list on every rank
+        decide(comm, details(), judge, f"{label} (the details)")
+    return summaries
 
 
 def any_failed(comm: MPI.Intracomm, failed: bool, label: str) -> bool:

@@ -18,7 +18,8 @@ from .. import cuda as _cuda
 from . import chunking as _chunking
 from . import handle as _handle
 
-# Read once at import; tests switch it by setting mpidp.comm.staging._STAGE_CPU.
+# Read once at import (as mpidp.settings declares); a test switches it by setting
+# mpidp.comm.staging._STAGE_CPU, which _stage reads at each call.
 _STAGE_CPU = _cuda.stage_cpu()  # testing aid: CPU tensors take the staging path too
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from ..comm.agreement import watched_allgather
+from ..comm.agreement import judged
 from .buckets import Bucket
 from ..kernels import unpack
 
@@ -99,13 +99,18 @@ def disagreement(control: MPI.Intracomm, failed: bool,
         The highest step number (to line the ranks up for the next step), and
         the error this rank raises (None: its own backward's exception is raised).
     """
-    reports = watched_allgather(control, (failed, steps),
-                                f"DDP step {steps}: the report of a failed or misaligned step")
-    highest = max(number for _, number in reports)
-    bad = [rank for rank, (did_fail, _) in enumerate(reports) if did_fail]
+    reports, error = judged(control, (failed, steps), _step_verdict,
+                            f"DDP step {steps}: the report of a failed or misaligned step")
+    aligned = len({number for _, number in reports}) == 1
+    # a rank whose own backward failed raised its own exception already
+    return max(number for _, number in reports), None if failed and aligned else error
+
+
+def _step_verdict(reports: list[tuple[bool, int]]) -> RuntimeError:
+    """What every rank says of a step that some rank failed or reached at another number."""
     numbers = {rank: number for rank, (_, number) in enumerate(reports)}
     if len(set(numbers.values())) > 1:
-        return highest, RuntimeError(
+        return RuntimeError(
             f"DistributedDataParallel: the ranks are not at the same synced backward pass "
             f"(steps by rank: {numbers}): a rank skipped a step (its forward, or its "
             f"backward before reaching this module, raised and the exception was caught), "
@@ -113,9 +118,8 @@ def disagreement(control: MPI.Intracomm, failed: bool,
             f"under torch.no_grad() or in eval mode). The gradients of this step mix "
             f"different steps and must not be used. The step numbers are lined up again, "
             f"but the ranks' loops are not: end the epoch on every rank, or restart.")
-    if failed:
-        return highest, None  # this rank's own exception was raised by its backward already
-    return highest, RuntimeError(
+    bad = [rank for rank, (did_fail, _) in enumerate(reports) if did_fail]
+    return RuntimeError(
         f"DistributedDataParallel: the backward pass raised on rank(s) {bad} before their "
         f"gradients were reduced, so the gradients of this step are not averaged over "
         f"all ranks and must not be used: call optimizer.zero_grad() and go on with the "

@@ -29,6 +29,7 @@ gradient) goes through MPI chunk by chunk.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import warnings
 from numbers import Real
@@ -102,6 +103,30 @@ def _check_groups(groups, params: list) -> list[list[int]] | None:
     return sorted(buckets, key=lambda members: first[members[0]])
 
 
+def _digest(rows: list) -> str:
+    """A short digest of ``rows``, the same in every process (``hash`` of a str is not)."""
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+def _first_difference(tables: list[list[tuple]]) -> ValueError | None:
+    """The error naming the first parameter (in bucket order) whose bucket, dtype or size is
+    not the same on every rank; None where only names or devices differ. Each table holds a
+    rank's ``(name, bucket, dtype, numel)`` rows."""
+    for k in range(max(len(table) for table in tables)):
+        rows = [table[k][1:] if k < len(table) else None for table in tables]
+        if all(row == rows[0] for row in rows):
+            continue
+        described = [f"{table[k][0]}: {table[k][2]}, {table[k][3]} elements, bucket "
+                     f"{table[k][1]}" if k < len(table) else "no such parameter"
+                     for table in tables]
+        return ValueError(
+            f"hvd.DistributedOptimizer: every rank of the process set must bucket the same "
+            f"parameters alike (the same parameters in the same order, with the same dtypes "
+            f"and sizes, the same groups and HOROVOD_FUSION_THRESHOLD); parameter {k} in "
+            f"bucket order differs: {_agreement.by_rank(described)}")
+    return None
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer: its ``param_groups``, ``state`` and methods are the wrapped one's."""
 
@@ -157,28 +182,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._process_set.included():
             self._strategy = _overlap.InlineStrategy(self._process_set.data,
                                                      _chunking.chunk_bytes())
-            self._adopt_window()
+            self._adopt_window(self._agree_on_layout())
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self._reset()
 
-    def _adopt_window(self) -> None:
+    def _agree_on_layout(self) -> bool:
+        """Check that every rank of the set bucketed its parameters alike (collective over the
+        set); return whether their CPU fused buffers are alike too (one window holds them).
+
+        Every rank must reduce the same buckets: ranks that differ (another model, other
+        ``groups`` or ``HOROVOD_FUSION_THRESHOLD``) would reduce mismatched buffers.
+        CPU buffers may still differ where a rank keeps its parameters on a GPU; they
+        then stay private and go through MPI.
+
+        Raises:
+            ValueError: on every rank of the set, naming the first parameter that differs.
+        """
+        params = [p for members in self._buckets for p in members]
+        rows = [(b, str(p.dtype), p.numel()) for b, members in enumerate(self._buckets)
+                for p in members]
+        cpu = [(str(flat.buffer.dtype), flat.buffer.numel()) for flat in self._flat
+               if flat is not None and flat.buffer.device.type == "cpu"]
+        summaries = _agreement.decide_alike(
+            self._process_set.comm, (_digest(rows), _digest(cpu)),
+            lambda: [(self._names[p], *row) for p, row in zip(params, rows)],
+            _first_difference, "hvd.DistributedOptimizer layout")
+        return bool(cpu) and all(theirs == summaries[0][1] for _, theirs in summaries)
+
+    def _adopt_window(self, alike: bool) -> None:
         """Put the CPU fused buffers in one shared mapping of the set's node (collective over the set).
 
-        The layout is checked alike on every rank first; where it differs (the
-        negotiation of the first bucket then names the difference) or no mapping
-        could be made, the buffers stay private and go through MPI.
+        ``alike``: every rank of the set has the same CPU buffers (``_agree_on_layout``,
+        over the whole set, not the node: ``allocate()`` is collective across nodes too,
+        so every rank of the set takes the same way on from here). Where they differ
+        or no mapping could be made, the buffers stay private and go through MPI.
         """
-        node = self._process_set.shared_node()
+        node = self._process_set.shared_node() if alike else None
         if node is None:
             return
         flats = [flat for flat in self._flat if flat is not None and flat.buffer.device.type == "cpu"]
-        mine = [(str(flat.buffer.dtype), flat.buffer.numel()) for flat in flats]
-        # over the whole set, not the node: allocate() is collective across nodes too, so
-        # every rank of the set must take the same way on from here
-        layouts = _agreement.watched_allgather(self._process_set.comm, mine,
-                                               "hvd.DistributedOptimizer layout")
-        if not flats or any(layout != mine for layout in layouts):
-            return
         offsets, total = [], 0
         for flat in flats:
             offsets.append(total)
@@ -348,7 +390,7 @@ class _AdasumOptimizer(_DistributedOptimizer):
         with self._lock:
             self._count(param)  # backward_passes_per_step's check; nothing starts
 
-    def _adopt_window(self) -> None:
+    def _adopt_window(self, alike: bool) -> None:
         """No shared fused buffers: the deltas go through grouped_allreduce (every rank alike)."""
 
     def synchronize(self) -> None:

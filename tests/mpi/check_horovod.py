@@ -634,6 +634,24 @@ def test_misuse_raises_a_clear_error_on_every_rank():
         torch.testing.assert_close(embedding.weight.grad.to_dense(), expected)
 
 
+def test_distributed_optimizer_refuses_layouts_that_differ_across_ranks():
+    """A rank whose model differs raised nowhere (its shared buffers were quietly dropped):
+    now every rank raises, naming the parameter, the rule and each rank's value."""
+    odd = hvd.rank() == 1
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3 if odd else 2), torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"must bucket the same parameters alike .* parameter "
+                                         r"\d+ in bucket order differs: ranks? 0(, 2)?: a\.bias: "
+                                         r"torch.float32, 2 elements, bucket 0; rank 1: a\.bias: "
+                                         r"torch.float32, 3 elements"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("a." + name.split(".")[1], p) for name, p
+                                                   in model[:1].named_parameters()]
+                                 + [("b." + name.split(".")[1], p) for name, p
+                                    in model[1:].named_parameters()])
+    # layouts that agree still build (the next test trains with them)
+    hvd.DistributedOptimizer(torch.optim.SGD(fresh_model().parameters(), lr=0.1))
+
+
 def test_names_match_across_ranks():
     """Horovod's controller starts a named operation once every rank of its set submitted it."""
     rank, size = hvd.rank(), hvd.size()
