@@ -299,7 +299,7 @@ def _shared_store() -> dist.Store:
     """This rank's connection to the TCP store's server (collective at the first call)."""
     if _state.client is not None:
         return _state.client
-    world = MPI.COMM_WORLD
+    world = runtime.world()  # the survivors after a heal
     if _state.address is None and _state.problem is None:
         _start_server(world)  # export turned off, or a rendezvous without mpidp's start-up
     problem = _state.problem
@@ -325,7 +325,8 @@ def _shared_store() -> dist.Store:
 
 def _ranks(query: dict) -> tuple[int, int]:
     runtime.require_mpi()
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    world = runtime.world()  # the survivors after a heal: the backend's default group's ranks
+    rank, size = world.Get_rank(), world.Get_size()
     for name, actual in (("rank", rank), ("world_size", size)):
         if name in query and int(query[name]) not in (-1, actual):
             raise ValueError(f"init_process_group: {name}={query[name]} disagrees with MPI, "
@@ -403,7 +404,7 @@ def _agree_on_init(backend: str, store, kwargs: dict) -> None:
     the store's timeout, or ended in MPI's "Message truncated".
     """
     runtime.require_mpi()
-    world = MPI.COMM_WORLD
+    world = runtime.world()  # the survivors after a heal
     if world.Get_size() == 1:
         problem = _init_problem(backend, store, kwargs)
         if problem is not None:

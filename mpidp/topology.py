@@ -123,8 +123,8 @@ def topology() -> RankTopology:
 
 def gather(comm: MPI.Comm | None = None) -> list[RankTopology]:
     """Every rank's ``topology()``, on every rank (collective)."""
-    return _watchdog.watched("each rank's topology (allgather)", (comm or MPI.COMM_WORLD).allgather,
-                             topology())
+    return _watchdog.watched("each rank's topology (allgather)",
+                             (comm or runtime.world()).allgather, topology())
 
 
 def detect_launcher() -> str:
@@ -226,7 +226,7 @@ def warn_about_binding(comm: MPI.Comm | None = None, stacklevel: int = 3) -> lis
     """Gather topologies and warn once, on rank 0, about binding problems (collective).
 
     Args:
-        comm: the ranks to look at (default ``MPI.COMM_WORLD``).
+        comm: the ranks to look at (default: the world, ``MPI.COMM_WORLD`` or its survivors).
         stacklevel: passed to ``warnings.warn``; the default names the caller's caller.
 
     Returns:
@@ -234,7 +234,7 @@ def warn_about_binding(comm: MPI.Comm | None = None, stacklevel: int = 3) -> lis
     """
     global _warned
     found = binding_warnings(gather(comm))
-    if found and not _warned and (comm or MPI.COMM_WORLD).Get_rank() == 0:
+    if found and not _warned and (comm or runtime.world()).Get_rank() == 0:
         for text in found:
             warnings.warn(f"mpidp: {text}", RuntimeWarning, stacklevel=stacklevel)
     _warned = True

@@ -113,6 +113,5 @@ def broadcast_coalesced(tensors, root: int = 0, *, comm=None, inplace_bytes: int
 
 
 def _rank_of(comm) -> int:
-    if comm is None:
-        return MPI.COMM_WORLD.Get_rank()
-    return comm.rank if isinstance(comm, _comm.Pool) else comm.Get_rank()
+    """This rank in ``comm``; None is the world (its survivors after a heal), as the broadcast's."""
+    return _comm._base(comm).Get_rank()
