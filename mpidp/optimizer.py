@@ -21,13 +21,14 @@ import torch
 
 from .comm import agreement as _agreement
 from . import comm as _comm
+from .comm import chunking as _chunking
 from . import objects as _objects
 
 __all__ = ["broadcast_optimizer_state"]
 
-# Below this a tensor rides in its dtype's packed host buffer; the same value
-# as mpidp.ddp.data_parallel's coalesced broadcast of module state.
-_INPLACE_BYTES = 1 << 20
+# Below this a tensor rides in its dtype's packed host buffer, as in DDP's
+# coalesced broadcast of module state (mpidp.comm.chunking's one threshold).
+_INPLACE_BYTES = _chunking.DEFAULTS.inplace
 
 
 @dataclasses.dataclass(frozen=True)

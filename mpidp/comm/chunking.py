@@ -1,9 +1,10 @@
 """The sizes every layer shares (buckets and chunks), and one way of cutting a buffer into chunks.
 
 DDP, ZeRO, Horovod's optimizer and the torch.distributed backend take their
-defaults from here: ``BUCKET_CAP_MB`` and ``FIRST_BUCKET_MB`` for gradient
-buckets, ``chunk_bytes()`` (``MPIDP_CHUNK_MB``) for the chunks a reduction
-goes in.
+sizes from here: ``Sizes.of`` builds, once, from a caller's arguments and the
+settings, the frozen ``Sizes`` they use (the bucket cap, the first bucket, the
+chunk and the in-place threshold, in bytes); ``chunk_bytes()`` is the chunk
+alone (``MPIDP_CHUNK_MB``).
 
 MPI's shared-memory allreduce slows down past a few MiB (its bounce buffers
 overflow the caches), so every large reduction mpidp makes goes chunk by
@@ -24,23 +25,65 @@ after the sum because their peers define them so, and say where they do: the
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import settings
 
-__all__ = ["BUCKET_CAP_MB", "CHUNK_MB", "FIRST_BUCKET_MB", "chunk_bytes", "chunk_numel", "divide",
-           "pieces"]
+__all__ = ["BUCKET_CAP_MB", "CHUNK_MB", "DEFAULTS", "FIRST_BUCKET_MB", "INPLACE_MB", "MB", "Sizes",
+           "chunk_bytes", "chunk_numel", "divide", "pieces"]
 
+MB = 1 << 20  # bytes in a MiB, the unit of every size argument
 CHUNK_MB: float = settings.get("MPIDP_CHUNK_MB")
 BUCKET_CAP_MB = 25.0  # torch DDP's bucket_cap_mb
 # torch DDP's first bucket: "Experiments showed 1MB is a reasonable value", and
 # a small first bucket lets the first allreduce start early in the backward.
 FIRST_BUCKET_MB = 1.0
+# A tensor at least this big goes to MPI where it lies; smaller ones are packed
+# into one buffer first (DDP's gradients where buckets are copied both ways, the
+# broadcasts of a module's or an optimizer's state).
+INPLACE_MB = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes a DDP, a ZeRO optimizer, Horovod's optimizer or the backend works with, in bytes.
+
+    Attributes:
+        bucket_cap: a gradient bucket's capacity.
+        first_bucket: the capacity of the first bucket of each dtype (small, so that the
+            first reduction starts early in the backward).
+        chunk: the most bytes one collective carries; larger buffers go in chunks.
+        inplace: tensors at least this big go where they lie, not packed (None: never).
+    """
+
+    bucket_cap: int
+    first_bucket: int
+    chunk: int
+    inplace: int | None
+
+    @classmethod
+    def of(cls, *, bucket_cap_mb: float | None = None, first_bucket_mb: float | None = None,
+           chunk_mb: float | None = None, inplace_mb: float | None = INPLACE_MB) -> Sizes:
+        """The sizes from arguments in MiB (checked by the caller); None takes the default.
+
+        The defaults: ``BUCKET_CAP_MB``; ``FIRST_BUCKET_MB`` or the cap if smaller;
+        ``MPIDP_CHUNK_MB``; ``inplace_mb`` None is no in-place threshold.
+        """
+        cap_mb = BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        first_mb = min(FIRST_BUCKET_MB, cap_mb) if first_bucket_mb is None else first_bucket_mb
+        return cls(bucket_cap=int(cap_mb * MB), first_bucket=int(first_mb * MB),
+                   chunk=chunk_bytes(chunk_mb),
+                   inplace=None if inplace_mb is None else int(inplace_mb * MB))
 
 
 def chunk_bytes(chunk_mb: float | None = None) -> int:
     """The chunk size in bytes: ``chunk_mb``, or ``MPIDP_CHUNK_MB`` (default 4) where None."""
-    return max(1, int((CHUNK_MB if chunk_mb is None else chunk_mb) * (1 << 20)))
+    return max(1, int((CHUNK_MB if chunk_mb is None else chunk_mb) * MB))
+
+
+DEFAULTS = Sizes.of()  # every size at its default (MPIDP_CHUNK_MB as read at import)
 
 
 def chunk_numel(nbytes: int, element_size: int) -> int:

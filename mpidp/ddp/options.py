@@ -21,10 +21,6 @@ __all__ = ["base_comm", "check_flags", "check_module", "check_overlap", "check_r
            "check_sizes", "check_supported", "module_device", "reducer_options",
            "shared_memory_node", "sparse_names"]
 
-_MB = 1024 * 1024
-
-_INPLACE_MB = 1  # inplace_threshold_mb="auto" where buckets are copied both ways
-
 # torch's arguments that mpidp refuses, and what to use instead
 _UNSUPPORTED = {
     "delay_all_reduce_named_params": "leave those parameters out with requires_grad=False and "
@@ -161,14 +157,16 @@ def reducer_options(options: dict, overlap: str, shared) -> dict:
     """
     solo = options["inplace_threshold_mb"]
     if solo == "auto":  # measured: docs/performance-ddp.md, "Shared-memory reduction"
-        solo = None if shared is not None and options["gradient_as_bucket_view"] else _INPLACE_MB
-    return dict(bucket_cap_bytes=int(options["bucket_cap_mb"] * _MB),
-                first_bucket_bytes=int(options["first_bucket_mb"] * _MB),
+        in_window = shared is not None and options["gradient_as_bucket_view"]
+        solo = None if in_window else _chunking.INPLACE_MB  # else copied both ways
+    sizes = _chunking.Sizes.of(bucket_cap_mb=options["bucket_cap_mb"],
+                               first_bucket_mb=options["first_bucket_mb"],
+                               chunk_mb=options["chunk_mb"], inplace_mb=solo)
+    return dict(bucket_cap_bytes=sizes.bucket_cap, first_bucket_bytes=sizes.first_bucket,
                 find_unused_parameters=options["find_unused_parameters"],
                 gradient_as_bucket_view=options["gradient_as_bucket_view"],
                 predict_order=options["predict_gradient_order"], overlap=overlap,
-                chunk_bytes=_chunking.chunk_bytes(options["chunk_mb"]),
-                solo_bytes=None if solo is None else int(solo * _MB),
+                chunk_bytes=sizes.chunk, solo_bytes=sizes.inplace,
                 static_graph=options["static_graph"], stragglers=options["stragglers"])
 
 

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from torch import nn
 
 from .. import comm as _comm
+from ..comm import chunking as _chunking
 from ..comm.agreement import decide
 from ..kernels import pack, unpack
 
@@ -79,7 +80,8 @@ def check_replicas(comm: MPI.Intracomm, module: nn.Module, settings: dict, label
     decide(comm, signature(module, settings), judge, label)
 
 
-def broadcast_coalesced(tensors, root: int = 0, *, comm=None, inplace_bytes: int = 1 << 20) -> None:
+def broadcast_coalesced(tensors, root: int = 0, *, comm=None,
+                        inplace_bytes: int = _chunking.DEFAULTS.inplace) -> None:
     """Broadcast ``tensors`` from ``root``: large ones in place, small ones coalesced.
 
     Tensors of at least ``inplace_bytes`` are broadcast where they lie (a copy

@@ -52,9 +52,6 @@ from .reductions import (Adasum, Average, Sum, bucket_allreduce_async_, grouped_
 
 __all__ = ["DistributedOptimizer"]
 
-_MB = 1 << 20
-_DEFAULT_CAP = int(_chunking.BUCKET_CAP_MB * _MB)
-
 
 def _names(optimizer, named_parameters) -> dict:
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -163,12 +160,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        # HOROVOD_FUSION_THRESHOLD=0 (no fusion): a cap of 1 byte puts each gradient alone
+        cap = max(_settings.fusion_threshold(_chunking.DEFAULTS.bucket_cap), 1)
+        sizes = _chunking.Sizes.of(bucket_cap_mb=cap / _chunking.MB)
         buckets = _check_groups(self._groups, params)
         if buckets is None:
-            cap = _settings.fusion_threshold(_DEFAULT_CAP)
             buckets = assign_buckets([p.numel() * p.element_size() for p in params],
-                                     [(p.dtype, p.device) for p in params], max(cap, 1),
-                                     max(min(cap, int(_chunking.FIRST_BUCKET_MB * _MB)), 1))
+                                     [(p.dtype, p.device) for p in params], sizes.bucket_cap,
+                                     sizes.first_bucket)
         for members in buckets:
             if len({(params[k].dtype, params[k].device) for k in members}) > 1:
                 raise ValueError("a group of parameters must share one dtype and device, got "
@@ -180,8 +179,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._flat = [Bucket(members) if len(members) > 1 else None for members in self._buckets]
         self._strategy = None
         if self._process_set.included():
-            self._strategy = _overlap.InlineStrategy(self._process_set.data,
-                                                     _chunking.chunk_bytes())
+            self._strategy = _overlap.InlineStrategy(self._process_set.data, sizes.chunk)
             self._adopt_window(self._agree_on_layout())
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self._reset()
