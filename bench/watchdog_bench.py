@@ -174,7 +174,7 @@ def ddp_step_row(model_name: str, rounds: int, toggle=None, parts=("record", "th
     step()
     once = COMM.allreduce(time.perf_counter() - start, op=MPI.MAX)
     repeats = max(2, min(100, int(0.2 / once)))  # about 0.2 s per sample
-    buckets = len(ddp.reducer.buckets)
+    buckets = len(ddp.reducer.layout.buckets)
     row = compare("ddp-step", step, repeats, rounds, parts, toggle, model=model_name,
                   buckets=buckets)
     ddp.close()

@@ -157,3 +157,57 @@ def test_modules_over_the_soft_size_warn():
     if over:
         warnings.warn(f"modules over {MOST_LINES} lines (a soft limit; cut by concept, not by "
                       f"trimming): {over}", stacklevel=1)
+
+
+def _own_bases(name: str, path: Path, modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Each class of module ``name`` -> its bases that are classes of mpidp (as written).
+
+    A base is mpidp's when it is a class of the same module, a name imported from an mpidp
+    module, or an attribute of an mpidp module imported under an alias (``_overlap.Base``).
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    local = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    imported, aliases = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "mpidp"):
+            for alias in node.names:
+                bound = alias.asname or alias.name
+                parts = package.split(".") if package and node.level else []
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                is_module = f"{base}.{alias.name}".removeprefix("mpidp.").strip(".") in modules
+                (aliases if is_module else imported).add(bound)
+        elif isinstance(node, ast.Import):
+            aliases.update(alias.asname or alias.name for alias in node.names
+                           if alias.name.split(".")[0] == "mpidp")
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            own = [ast.unparse(base) for base in node.bases
+                   if (isinstance(base, ast.Name) and base.id in local | imported)
+                   or (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name)
+                       and base.value.id in aliases)]
+            found[node.name] = own
+    return found
+
+
+def test_no_class_is_built_from_two_of_mpidps_own_classes():
+    """Collaborators, not mixins: an object holds its parts, each owning its state; a class
+    mixed from two of mpidp's classes spreads one object's state over several files."""
+    modules = _modules()
+    mixed = [f"mpidp.{name}.{cls}({', '.join(bases)})"
+             for name, path in sorted(modules.items())
+             for cls, bases in _own_bases(name, path, modules).items() if len(bases) >= 2]
+    assert not mixed, "classes mixed from mpidp's own classes: " + "; ".join(mixed)
+
+
+def test_the_base_scan_tells_mpidps_classes_from_others(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text("import torch\nfrom torch import nn\nfrom . import overlap as _overlap\n"
+                    "from .buckets import Bucket\nclass Local:\n    pass\n"
+                    "class Mixed(Local, Bucket, nn.Module):\n    pass\n"
+                    "class Aliased(_overlap.InlineStrategy, Local):\n    pass\n"
+                    "class One(Bucket, torch.optim.Optimizer, nn.Module):\n    pass\n")
+    bases = _own_bases("ddp.fake", fake, _modules())
+    assert bases == {"Local": [], "Mixed": ["Local", "Bucket"],
+                     "Aliased": ["_overlap.InlineStrategy", "Local"], "One": ["Bucket"]}

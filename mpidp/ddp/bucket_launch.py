@@ -1,22 +1,14 @@
 """Handing ready buckets to communication, in bucket order, and waiting for them.
 
-``BucketLauncher`` is the part of ``mpidp.ddp.reducer.Reducer`` between a full
+``BucketLauncher`` is the part of a ``mpidp.ddp.reducer.Reducer`` between a full
 bucket and its reduced values: buckets go out strictly in bucket order (a
 bucket ready early waits for the ones before it, so every rank issues the
-same collectives in the same order), each to the overlap strategy
-(``mpidp.ddp.overlap``) or to the registered comm hook, with its bytes and
-collectives counted for ``DistributedDataParallel.stats()`` and a profiler
-range when one is recording; ``_drain`` waits for all of them at the end of
+same collectives in the same order), each to the reducer's launch (the overlap
+strategy, ``mpidp.ddp.overlap``) or to the registered comm hook, with its bytes
+and collectives counted for ``DistributedDataParallel.stats()`` and a profiler
+range when one is recording; ``drain`` waits for all of them at the end of
 the backward. A reduction that raises on one rank aborts the job, because
-the other ranks already wait in its collectives (``_fatal_on_error``).
-
-It is a mixin of ``Reducer`` and has no constructor; the reducer provides
-``buckets``, ``layout``, ``params``, ``_position``, ``strategy``,
-``comm_hook``, ``record``, ``timeout``, ``world``, ``_steps``, ``_futures``,
-``_first_start``, ``_step_bytes``, ``_step_collectives`` and ``_launch_s`` (the
-seconds this step's bucket starts took on the calling thread: under "inline"
-and with a comm hook they wait for the other ranks, which ``mpidp.ddp.stragglers``
-counts).
+the other ranks already wait in its collectives (``fatal_on_error``).
 """
 
 from __future__ import annotations
@@ -24,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
 from .. import errors as _errors
 from .. import exits
 from .. import watchdog as _watchdog
+from . import overlap as _overlap
 from .buckets import Bucket
 from ..comm import chunking as _chunking
 from ..hooks.basics import GradBucket
+from .layout import BucketLayout
 from .step import Step
 
 __all__ = ["TIMEOUT_SOURCE", "BucketLauncher"]
@@ -47,19 +42,59 @@ def _bucket_label(step: int, index: int, count: int, size: int) -> str:
 
 
 class BucketLauncher:
-    """Launches the ready buckets of a step in order and drains them (a mixin of ``Reducer``)."""
+    """Launches the ready buckets of a step in bucket order, counts them, and drains them.
 
-    def _launch_ready(self, step: Step) -> None:
+    Args:
+        layout: the reducer's buckets (read at each launch: a rebuild replaces them).
+        strategy: the overlap strategy (its chunk size, and ``finish`` in ``drain``).
+        launch: ``launch(bucket)`` starts a bucket's reduction when no comm hook is
+            registered (the reducer's, which a subclass may change).
+        world: the number of ranks.
+        timeout: seconds each bucket's collectives may wait before the stall watchdog
+            reports them (0: never; None: the process-wide timeout).
+    """
+
+    def __init__(self, layout: BucketLayout, strategy: _overlap._Strategy, *,
+                 launch: Callable[[Bucket], None], world: int, timeout: float | None):
+        self.layout = layout
+        self.strategy = strategy
+        self.launch = launch
+        self.world = world
+        self.timeout = timeout
+        self.comm_hook = None  # (state, hook) of DistributedDataParallel.register_comm_hook
+        self.record = True  # the statistics and the profiler ranges (DDP.record_stats)
+        self._futures: list = []  # (bucket, the hook's future) of the running step
+        # This step's, for stats(): when the first bucket started, its bytes and collectives
+        self._first_start: float | None = None
+        self._bytes = self._collectives = 0
+        # The seconds this step's bucket starts took on the calling thread: under "inline"
+        # and with a comm hook they wait for the other ranks (mpidp.ddp.stragglers counts it).
+        self._launch_s = 0.0
+
+    def launch_ready(self, step: Step, number: int) -> None:
+        """Start the buckets of ``step`` (the ``number``-th) that are full, in bucket order."""
         # A bucket ready early waits for the ones before it: every rank must
         # issue the allreduces in the same order.
-        while step.next_launch < len(self.buckets) and step.pending[step.next_launch] == 0:
-            bucket = self.buckets[step.next_launch]
+        buckets = self.layout.buckets
+        while step.next_launch < len(buckets) and step.pending[step.next_launch] == 0:
+            bucket = buckets[step.next_launch]
             step.next_launch += 1
             began = time.perf_counter()
-            with _watchdog.Scope(_bucket_label, self._steps, step.next_launch, len(self.buckets),
+            with _watchdog.Scope(_bucket_label, number, step.next_launch, len(buckets),
                                  bucket.buffer.nbytes, timeout=self.timeout, source=TIMEOUT_SOURCE):
                 self._start(bucket)
             self._launch_s += time.perf_counter() - began
+
+    def take_launch_s(self) -> float:
+        """The seconds the bucket starts took since the last call (local)."""
+        launched, self._launch_s = self._launch_s, 0.0
+        return launched
+
+    def take_counts(self) -> tuple[float | None, int, int]:
+        """This step's (first start's ``perf_counter``, bytes, collectives); starts the next."""
+        counts = (self._first_start, self._bytes, self._collectives)
+        self._first_start, self._bytes, self._collectives = None, 0, 0
+        return counts
 
     def _start(self, bucket: Bucket) -> None:
         if not self.record:
@@ -69,30 +104,31 @@ class BucketLauncher:
         size = buffer.numel() * buffer.element_size()
         if self._first_start is None:
             self._first_start = time.perf_counter()
-        self._step_bytes += size
+        self._bytes += size
         if not torch._C._autograd._profiler_enabled():  # a range costs ~10 us even unobserved
-            self._step_collectives += self._reduce(bucket)
+            self._collectives += self._reduce(bucket)
             return
         hook = self.comm_hook
-        label = (f"mpidp.DDP bucket {self._position[id(bucket)]} {size / 2**20:.2f} MiB "
+        label = (f"mpidp.DDP bucket {self.layout.position[id(bucket)]} {size / 2**20:.2f} MiB "
                  f"{getattr(hook[1], '__name__', 'hook') if hook else 'allreduce'}")
         with torch.profiler.record_function(label):
-            self._step_collectives += self._reduce(bucket)
+            self._collectives += self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> int:
         """Hand a bucket to the strategy, or to the hook; returns the collectives (chunks or 1)."""
         hook = self.comm_hook
         buffer = bucket.buffer
         if hook is None:
-            self._launch(bucket)
+            self.launch(bucket)
             per_chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, buffer.element_size())
             return max(1, -(-buffer.numel() // per_chunk))  # as chunking.pieces cuts it
-        position = self._position[id(bucket)]
-        members = self.layout[position]
+        layout = self.layout
+        position = layout.position[id(bucket)]
+        members = layout.members[position]
         gradients = (bucket.views if not bucket.solo
-                     else [buffer.view(self.params[members[0]].shape)])
-        grad_bucket = GradBucket(position, buffer, gradients, [self.params[i] for i in members],
-                                 position == len(self.buckets) - 1)
+                     else [buffer.view(layout.params[members[0]].shape)])
+        grad_bucket = GradBucket(position, buffer, gradients, [layout.params[i] for i in members],
+                                 position == len(layout.buckets) - 1)
         future = hook[1](hook[0], grad_bucket)
         if not isinstance(future, torch._C.Future):
             raise TypeError(f"a comm hook must return a torch.futures.Future, "
@@ -106,13 +142,9 @@ class BucketLauncher:
         self._futures.append((bucket, future))
         return 1
 
-    def _launch(self, bucket: Bucket) -> None:
-        with self._fatal_on_error():
-            self.strategy.start(bucket.buffer, bucket.divisor)
-
     @contextlib.contextmanager
-    def _fatal_on_error(self):
-        """Abort the job when the strategy's own reduction raises (more than one rank).
+    def fatal_on_error(self, number: int):
+        """Abort the job when step ``number``'s own reduction raises (more than one rank).
 
         Raising is not enough: the other ranks are waiting in the bucket
         collectives this rank was issuing (under "thread" the thread also skips
@@ -131,15 +163,15 @@ class BucketLauncher:
         except Exception as error:
             if self.world == 1 or _errors.lost_rank(error):
                 raise
-            why = (f"DistributedDataParallel: the gradient reduction of step {self._steps} "
+            why = (f"DistributedDataParallel: the gradient reduction of step {number} "
                    f"failed on this rank while the other ranks wait in its collectives; "
                    f"aborting the MPI job. Traceback:")
             exits._abort([f"{type(error).__name__}: {error}", why,
                           "".join(traceback.format_exception(error))], 1)
 
-    def _drain(self) -> None:
-        """Wait for every reduction of the step: the strategy's, and the hook's futures."""
-        with self._fatal_on_error():
+    def drain(self, number: int) -> None:
+        """Wait for every reduction of step ``number``: the strategy's, and the hook's futures."""
+        with self.fatal_on_error(number):
             self.strategy.finish()
         futures, self._futures = self._futures, []
         for bucket, future in futures:

@@ -1,103 +1,86 @@
-"""How a DistributedDataParallel's buckets are communicated: its comm hook and its statistics.
+"""How a DistributedDataParallel's buckets are communicated: its comm hook and whether it records.
 
 ``register_comm_hook`` replaces the buckets' allreduce with the user's hook
 (torch's contract; mpidp's hooks are in ``mpidp.hooks``), checked alike on
-every rank; ``stats()`` and ``record_stats`` report what the last synced
-steps communicated (``mpidp.ddp.bucket_launch`` counts it).
-
-``CommHookMixin`` is that part of ``DistributedDataParallel``. It has no
-constructor; the DDP provides ``module``, ``control``, ``reducer``,
-``_comm_hook``, ``_sink`` and ``_connect()``.
+every rank; ``record_stats`` says whether the steps' statistics and profiler
+ranges are recorded (``mpidp.ddp.bucket_launch`` counts them). ``CommHooks``
+is the part of a DDP that holds both and gives them to each reducer it makes.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import torch
 from mpi4py import MPI
 
 from .. import _args
 from ..comm.agreement import decide
+from .reducer import Reducer
 
-__all__ = ["CommHookMixin"]
+__all__ = ["CommHooks", "Hooked"]
 
 
-class CommHookMixin:
-    """``register_comm_hook``, ``record_stats`` and ``stats()`` (a mixin of the DDP)."""
+class Hooked(Protocol):
+    """What ``CommHooks`` reads of its DistributedDataParallel."""
 
-    def register_comm_hook(self, state: object, hook) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` instead of the allreduce (collective).
+    module: torch.nn.Module
+    control: MPI.Intracomm | None
+    reducer: Reducer | None
+    _sink: object | None  # the stage-2 ZeroRedundancyOptimizer, or None
+    _options: dict
 
-        torch's contract: ``hook`` returns a ``torch.futures.Future`` whose
-        value is the bucket's averaged flat tensor; it is called once per
-        bucket, in bucket order, with ``bucket`` a ``mpidp.hooks.GradBucket``
-        holding the local sum of the gradients (not yet divided: the hook
-        averages). Register once, on every rank, before the first synced
-        backward. mpidp's hooks are in ``mpidp.hooks``; torch's
-        (``torch.distributed.algorithms.ddp_comm_hooks``) work with a process
-        group of the "mpidp" backend as ``state``. Sparse gradients keep being
-        gathered without the hook.
-        """
+    def _connect(self, base: MPI.Intracomm, device: torch.device) -> None: ...
+
+
+class CommHooks:
+    """A DDP's comm hook and its ``record_stats``, given to each reducer it makes.
+
+    Args:
+        owner: the DistributedDataParallel (``Hooked``).
+        record: ``record_stats`` to start with.
+    """
+
+    def __init__(self, owner: Hooked, record: bool = True):
+        self._owner = owner
+        self.hook: tuple | None = None  # (state, hook) of register_comm_hook
+        self.record = record
+
+    def equip(self, reducer: Reducer) -> None:
+        """Give a new reducer the hook and the recording switch (local)."""
+        reducer.launcher.comm_hook = self.hook
+        reducer.launcher.record = self.record
+
+    def register(self, state: object, hook) -> None:
+        """``DistributedDataParallel.register_comm_hook`` (collective)."""
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
-        if self.reducer is None:
-            self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
-        problem = None
-        if self._comm_hook is not None:
+        ddp = self._owner
+        if ddp.reducer is None:
+            ddp._connect(MPI.COMM_WORLD, next(ddp.module.parameters()).device)
+        reducer, problem = ddp.reducer, None
+        if self.hook is not None:
             problem = "register_comm_hook can only be called once (as in torch)"
-        elif self._options["reproducible"]:
+        elif ddp._options["reproducible"]:
             problem = ("a comm hook cannot reduce the buckets of a DistributedDataParallel"
                        "(reproducible=True), which sums them in micro-batch order")
-        elif self._sink is not None:
+        elif ddp._sink is not None:
             problem = ("a comm hook cannot reduce the buckets of a stage-2 "
                        "ZeroRedundancyOptimizer, which reduce-scatters them")
-        elif self.reducer.stats or (self.reducer._step is not None
-                                    and self.reducer._step.state != "armed"):
+        elif reducer.stats or (reducer._step is not None and reducer._step.state != "armed"):
             problem = ("register_comm_hook must be called before the first backward (as torch "
                        "requires): buckets were already reduced another way")
         name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
-        decide(self.control, (name, problem), _judge_hooks, "register_comm_hook's check")
-        self._comm_hook = (state, hook)
-        self.reducer.comm_hook = self._comm_hook
+        decide(ddp.control, (name, problem), _judge_hooks, "register_comm_hook's check")
+        self.hook = (state, hook)
+        self.equip(reducer)
 
-    @property
-    def record_stats(self) -> bool:
-        """Whether ``stats()`` records and each bucket gets a profiler range (default True)."""
-        return getattr(self, "_record_stats", True)
-
-    @record_stats.setter
-    def record_stats(self, value: bool) -> None:
+    def set_record(self, value: bool) -> None:
+        """``DistributedDataParallel.record_stats = value`` (local)."""
         _args.check_bool("record_stats", value)
-        self._record_stats = value
-        if self.reducer is not None:
-            self.reducer.record = value
-
-    def stats(self) -> list[dict]:
-        """What the last synced steps (up to 100) communicated, oldest first.
-
-        Each step: ``step`` (its number), ``bytes`` (of the buckets reduced),
-        ``collectives`` (bucket collectives, counting chunks, or hook calls,
-        plus the bookkeeping allreduce), ``reduction_s`` (from the first bucket
-        handed to communication to the last reduction done), ``wait_s``
-        (how long the end of the backward pass waited for communication) and
-        ``lateness_ms`` (per rank, how many ms after the earliest rank it
-        reached the end of this step's backward, the same list on every rank;
-        None until the next synced step carries it, and where any rank joined
-        or failed, or ``MPIDP_STRAGGLER_MS=0``; ``mpidp.ddp.stragglers``).
-        Recorded unless ``record_stats`` is False: a few clock reads and a
-        profiler range per bucket (bench/hooks_bench.py measures the cost).
-        """
-        return [] if self.reducer is None else [dict(entry) for entry in self.reducer.stats]
-
-    def stragglers(self) -> dict[int, float]:
-        """The ranks named as stragglers now: rank -> its median lateness in ms.
-
-        A rank is named when its ``lateness_ms`` exceeded ``MPIDP_STRAGGLER_MS``
-        at more than half of the last ``MPIDP_STRAGGLER_STEPS`` measured steps,
-        and stays named until it is late at half of them or fewer; rank 0 logs a
-        warning (logger ``mpidp.stragglers``) once per such episode. The same on
-        every rank; local (no communication).
-        """
-        tracker = None if self.reducer is None else self.reducer.stragglers
-        return {} if tracker is None else dict(tracker.named)
+        self.record = value
+        if self._owner.reducer is not None:
+            self.equip(self._owner.reducer)
 
 
 def _judge_hooks(reports: list) -> Exception | None:

@@ -85,7 +85,7 @@ def _refusal(reducer, grad: torch.Tensor) -> str | None:
         return ("find_unused_parameters=True needs the end-of-step bookkeeping, which a "
                 "compiled backward cannot run; every rank must give a gradient to the same "
                 "parameters")
-    if reducer.comm_hook is not None:
+    if reducer.launcher.comm_hook is not None:
         return "a comm hook needs the buckets, which a compiled backward does not fill"
     if grad.is_sparse:
         return "sparse gradients are gathered at the end of a step, which it has not"

@@ -2,12 +2,12 @@
 
 The wrapper itself: construction, the forward and its buffer broadcast,
 ``no_sync``, the hand-over to a stage-2 ``ZeroRedundancyOptimizer``,
-conversions, ``close()`` and pickling. Its parts live beside it:
-``mpidp.ddp.options`` (the argument checks and what the options mean for the
-reducer), ``mpidp.ddp.replica`` (the cross-rank model check and the coalesced
-broadcast), ``mpidp.ddp.join`` (``join()``), ``mpidp.ddp.comm_hook``
-(``register_comm_hook`` and ``stats()``) and ``mpidp.ddp.reducer`` (the gradient
-reduction).
+conversions, ``close()`` and pickling. It holds its parts, each owning its
+state: ``reducer`` (``mpidp.ddp.reducer``, the gradient reduction), ``_joiner``
+(``mpidp.ddp.join``, ``join()``) and ``_comm_hooks`` (``mpidp.ddp.comm_hook``,
+``register_comm_hook`` and ``record_stats``). Beside it are ``mpidp.ddp.options``
+(the argument checks and what the options mean for the reducer) and
+``mpidp.ddp.replica`` (the cross-rank model check and the coalesced broadcast).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from . import overlap as _overlap
 from .. import watchdog as _watchdog
 from .. import runtime, topology
 from ..comm import chunking as _chunking
-from .comm_hook import CommHookMixin
+from .comm_hook import CommHooks
 from .options import base_comm as _base_comm  # mpidp.zero imports it from here
-from .join import JoinConfig, JoinMixin
+from .join import Joiner
 from . import stragglers as _stragglers
 from .reducer import Reducer
 from .reproducible import ReproducibleReducer
@@ -53,7 +53,7 @@ def owner(param: torch.Tensor) -> "DistributedDataParallel | None":
     return None if ddp is None or ddp._closed or ddp.reducer is None else ddp
 
 
-class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
+class DistributedDataParallel(nn.Module):
     """Data parallelism over MPI: wrap a model, train on each rank's shard of the data.
 
     The interface is torch's ``DistributedDataParallel`` (torch 2.13's arguments,
@@ -229,9 +229,9 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         self._over_world = comm is None and process_group is None
         self._timeout = timeout
         self._closed = False
-        self._join: JoinConfig | None = None
         self._sink = None  # the stage-2 ZeroRedundancyOptimizer fed by the reducer
-        self._comm_hook = None  # (state, hook): register_comm_hook
+        self._comm_hooks = CommHooks(self)
+        self._joiner = Joiner(self, self._comm_hooks)
         self.pool = self.control = self.reducer = None
         self._connect(base, device)
         if init_sync and self.pool.size > 1:
@@ -307,8 +307,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                        **_ddp_options.reducer_options(self._options, overlap, shared),
                        sparse=[i for i, (name, _) in enumerate(named) if name in sparse],
                        timeout=self._timeout, **({"shared": shared} if sink is None else {}))
-        reducer.comm_hook = getattr(self, "_comm_hook", None)
-        reducer.record = getattr(self, "_record_stats", True)
+        self._comm_hooks.equip(reducer)
         return reducer
 
     # -- ZeRO stage 2 -----------------------------------------------------------------
@@ -317,7 +316,7 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
         """Why this DDP cannot reduce-scatter into a ZeroRedundancyOptimizer, or None (local)."""
         if self._sink is not None:
             return "the DistributedDataParallel already feeds a stage-2 ZeroRedundancyOptimizer"
-        if self._comm_hook is not None:
+        if self._comm_hooks.hook is not None:
             return "the DistributedDataParallel reduces its buckets with a comm hook"
         if self._options["gradient_as_bucket_view"]:
             return ("stage=2 keeps only each rank's shard of the gradients, which "
@@ -387,8 +386,8 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             self.reducer.raise_pending_error()
             self.reducer.check_parameters()
             root = 0
-            if self._join is not None:
-                root = self._notify_join()  # may raise on every rank: count nothing before
+            if self._joiner.config is not None:
+                root = self._joiner.notify()  # may raise on every rank: count nothing before
             if self.require_backward_grad_sync and self.training:
                 self.reducer.count_forward()
             if (self.require_backward_grad_sync and self.forward_sync_buffers
@@ -422,6 +421,84 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    # -- uneven inputs, comm hooks, statistics: the parts' --------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs: ranks that ran out of data shadow the others until all have.
+
+        torch's ``DistributedDataParallel.join``. Inside the context, every
+        grad-enabled forward tells the other ranks that this rank is still
+        active (one small allreduce). A rank that leaves the context (its data
+        ran out) then stands in for every synced step the others still take:
+        it broadcasts the buffers with them and reduces zeros in every bucket.
+        When every rank has left, the model of the last rank to leave (the
+        highest such rank) is broadcast to all, as torch does.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size
+                (joined ranks count as zeros), or by the number of ranks still
+                active in that step (False).
+            enable: False makes the context do nothing.
+            throw_on_early_termination: raise on every rank, at the first step
+                after any rank ran out of data, instead of shadowing.
+        """
+        return self._joiner.context(divide_by_initial_world_size, enable,
+                                    throw_on_early_termination)
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the allreduce (collective).
+
+        torch's contract: ``hook`` returns a ``torch.futures.Future`` whose
+        value is the bucket's averaged flat tensor; it is called once per
+        bucket, in bucket order, with ``bucket`` a ``mpidp.hooks.GradBucket``
+        holding the local sum of the gradients (not yet divided: the hook
+        averages). Register once, on every rank, before the first synced
+        backward. mpidp's hooks are in ``mpidp.hooks``; torch's
+        (``torch.distributed.algorithms.ddp_comm_hooks``) work with a process
+        group of the "mpidp" backend as ``state``. Sparse gradients keep being
+        gathered without the hook.
+        """
+        self._comm_hooks.register(state, hook)
+
+    @property
+    def record_stats(self) -> bool:
+        """Whether ``stats()`` records and each bucket gets a profiler range (default True)."""
+        return self._comm_hooks.record
+
+    @record_stats.setter
+    def record_stats(self, value: bool) -> None:
+        self._comm_hooks.set_record(value)
+
+    def stats(self) -> list[dict]:
+        """What the last synced steps (up to 100) communicated, oldest first.
+
+        Each step: ``step`` (its number), ``bytes`` (of the buckets reduced),
+        ``collectives`` (bucket collectives, counting chunks, or hook calls,
+        plus the bookkeeping allreduce), ``reduction_s`` (from the first bucket
+        handed to communication to the last reduction done), ``wait_s``
+        (how long the end of the backward pass waited for communication) and
+        ``lateness_ms`` (per rank, how many ms after the earliest rank it
+        reached the end of this step's backward, the same list on every rank;
+        None until the next synced step carries it, and where any rank joined
+        or failed, or ``MPIDP_STRAGGLER_MS=0``; ``mpidp.ddp.stragglers``).
+        Recorded unless ``record_stats`` is False: a few clock reads and a
+        profiler range per bucket (bench/hooks_bench.py measures the cost).
+        """
+        return [] if self.reducer is None else [dict(entry) for entry in self.reducer.stats]
+
+    def stragglers(self) -> dict[int, float]:
+        """The ranks named as stragglers now: rank -> its median lateness in ms.
+
+        A rank is named when its ``lateness_ms`` exceeded ``MPIDP_STRAGGLER_MS``
+        at more than half of the last ``MPIDP_STRAGGLER_STEPS`` measured steps,
+        and stays named until it is late at half of them or fewer; rank 0 logs a
+        warning (logger ``mpidp.stragglers``) once per such episode. The same on
+        every rank; local (no communication).
+        """
+        tracker = None if self.reducer is None else self.reducer.stragglers
+        return {} if tracker is None else dict(tracker.named)
 
     # -- release and serialisation -----------------------------------------------------
 
@@ -464,7 +541,10 @@ class DistributedDataParallel(JoinMixin, CommHookMixin, nn.Module):
                             "MPI.COMM_WORLD cannot be pickled (as torch's, which needs the "
                             "default process group); pickle ddp.module instead")
         state = super().__getstate__()
-        state.update(pool=None, control=None, reducer=None, _sink=None, _comm_hook=None, _node=None)
+        # fresh parts: the copy has no hook and is in no join() (pickle maps self to the copy)
+        hooks = CommHooks(self, record=self._comm_hooks.record)
+        state.update(pool=None, control=None, reducer=None, _sink=None, _node=None,
+                     _comm_hooks=hooks, _joiner=Joiner(self, hooks))
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -7,18 +7,16 @@ leave the others waiting in them; inside ``join()`` it instead shadows them,
 issuing the same collectives with zeros, until every rank has run out, and
 then the model of the last rank to leave is broadcast to all.
 
-``JoinMixin`` is the part of ``DistributedDataParallel`` that does this. It
-has no constructor; the DDP provides ``module``, ``pool``, ``control``,
-``reducer``, ``_join`` (the active ``JoinConfig`` or None), ``_comm_hook``,
-``_sink``, ``forward_sync_buffers``, ``require_backward_grad_sync``,
-``_buffers_to_sync()`` and ``_connect()``, and calls ``_notify_join`` from
-each grad-enabled forward inside the context.
+``Joiner`` is the part of a ``DistributedDataParallel`` that does this: it
+holds the active ``JoinConfig``, and the DDP calls its ``notify`` from each
+grad-enabled forward inside the context.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Protocol
 
 import torch
 from mpi4py import MPI
@@ -27,35 +25,48 @@ from .. import _args
 from .. import comm as _comm
 from .. import runtime
 from . import syncbn
+from .comm_hook import CommHooks
+from .reducer import Reducer
 from .replica import broadcast_coalesced
 
-__all__ = ["JoinConfig", "JoinMixin"]
+__all__ = ["JoinConfig", "Joinable", "Joiner"]
 
 
-class JoinMixin:
-    """``join()`` and the shadowing of the active ranks' steps (a mixin of the DDP)."""
+class Joinable(Protocol):
+    """What ``Joiner`` reads of its DistributedDataParallel."""
+
+    module: torch.nn.Module
+    pool: _comm.Pool | None
+    control: MPI.Intracomm | None
+    reducer: Reducer | None
+    forward_sync_buffers: bool
+    require_backward_grad_sync: bool
+    _sink: object | None  # the stage-2 ZeroRedundancyOptimizer, or None
+    _options: dict
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]: ...
+
+    def _connect(self, base: MPI.Intracomm, device: torch.device) -> None: ...
+
+
+class Joiner:
+    """A DDP's ``join()``: the active context's settings and the shadowing of the active ranks.
+
+    Args:
+        owner: the DistributedDataParallel (``Joinable``).
+        hooks: its comm hooks (a registered hook rules ``join()`` out).
+    """
+
+    def __init__(self, owner: Joinable, hooks: CommHooks):
+        self._owner = owner
+        self._hooks = hooks
+        self.config: JoinConfig | None = None  # the active join()'s, else None
 
     @contextlib.contextmanager
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        """Train on uneven inputs: ranks that ran out of data shadow the others until all have.
-
-        torch's ``DistributedDataParallel.join``. Inside the context, every
-        grad-enabled forward tells the other ranks that this rank is still
-        active (one small allreduce). A rank that leaves the context (its data
-        ran out) then stands in for every synced step the others still take:
-        it broadcasts the buffers with them and reduces zeros in every bucket.
-        When every rank has left, the model of the last rank to leave (the
-        highest such rank) is broadcast to all, as torch does.
-
-        Args:
-            divide_by_initial_world_size: divide gradients by the world size
-                (joined ranks count as zeros), or by the number of ranks still
-                active in that step (False).
-            enable: False makes the context do nothing.
-            throw_on_early_termination: raise on every rank, at the first step
-                after any rank ran out of data, instead of shadowing.
-        """
+    def context(self, divide_by_initial_world_size: bool, enable: bool,
+                throw_on_early_termination: bool):
+        """``DistributedDataParallel.join``'s context."""
+        ddp = self._owner
         for name, value in (("divide_by_initial_world_size", divide_by_initial_world_size),
                             ("enable", enable),
                             ("throw_on_early_termination", throw_on_early_termination)):
@@ -63,29 +74,29 @@ class JoinMixin:
         if not enable:
             yield
             return
-        if self._join is not None:
+        if self.config is not None:
             raise RuntimeError("DistributedDataParallel.join() is already active; do not nest it")
-        if self._comm_hook is not None:
+        if self._hooks.hook is not None:
             raise RuntimeError("DistributedDataParallel.join() does not support a comm hook: "
                                "a joined rank cannot run the hook's collectives in step; give "
                                "every rank the same number of batches")
-        if self._options["reproducible"]:
+        if ddp._options["reproducible"]:
             raise RuntimeError("DistributedDataParallel.join() is not supported with "
                                "reproducible=True: every rank runs its whole micro-batches of "
                                "every global batch (DistributedSampler(micro_batches=...))")
-        if self._sink is not None:
+        if ddp._sink is not None:
             raise RuntimeError("DistributedDataParallel.join() cannot shadow a stage-2 "
                                "ZeroRedundancyOptimizer's step (its parameter allgather); give "
                                "every rank the same number of batches (DistributedSampler with "
                                "drop_last=True)")
-        if self.reducer is None:
-            self._connect(MPI.COMM_WORLD, next(self.module.parameters()).device)
-        layers = [m for m in self.module.modules() if isinstance(m, syncbn.SyncBatchNorm)]
+        if ddp.reducer is None:
+            ddp._connect(MPI.COMM_WORLD, next(ddp.module.parameters()).device)
+        layers = [m for m in ddp.module.modules() if isinstance(m, syncbn.SyncBatchNorm)]
         if layers and runtime.thread_level() < MPI.THREAD_MULTIPLE:
             raise ValueError("join() with mpidp.SyncBatchNorm layers needs MPI_THREAD_MULTIPLE "
                              "(a joined rank stands in for their backward collectives from a "
                              "second thread), but MPI granted a lower thread level")
-        config = self._join = JoinConfig(divide_by_initial_world_size, throw_on_early_termination)
+        config = self.config = JoinConfig(divide_by_initial_world_size, throw_on_early_termination)
         # The last step's order of SyncBatchNorm collectives on this rank: what
         # it replays with zeros once joined (module order if it never ran a step).
         config.trace = ([(layer, "stats") for layer in layers] +
@@ -95,8 +106,8 @@ class JoinMixin:
         try:
             yield
         except BaseException:
-            self._join = None  # as torch: the exception goes on, no shadowing
-            self.reducer.set_divisor(self.pool.size)
+            self.config = None  # as torch: the exception goes on, no shadowing
+            ddp.reducer.set_divisor(ddp.pool.size)
             syncbn.record(None)
             raise
         if layers:
@@ -104,12 +115,12 @@ class JoinMixin:
         try:
             self._shadow_until_all_joined(config)
         finally:
-            self._join = None
-            self.reducer.set_divisor(self.pool.size)
+            self.config = None
+            ddp.reducer.set_divisor(ddp.pool.size)
 
-    def _join_verdict(self, active: torch.Tensor, config: "JoinConfig") -> tuple[int, int]:
+    def _verdict(self, active: torch.Tensor, config: "JoinConfig") -> tuple[int, int]:
         """From the summed activity vector: (active ranks, the highest of them); maybe raise."""
-        world = self.pool.size
+        world = self._owner.pool.size
         ranks = active[:world].nonzero().flatten().tolist()
         if config.throw and len(ranks) < world:
             joined = sorted(set(range(world)) - set(ranks))
@@ -117,35 +128,37 @@ class JoinMixin:
                                f"and throw_on_early_termination=True, so every rank raises")
         return len(ranks), ranks[-1] if ranks else -1
 
-    def _notify_join(self) -> int:
+    def notify(self) -> int:
         """An active rank's forward inside join(): say so; return the buffers' source rank."""
-        world, rank = self.pool.size, self.pool.rank
+        ddp, config = self._owner, self.config
+        world, rank = ddp.pool.size, ddp.pool.rank
         active = torch.zeros(world + 1, dtype=torch.int64)
         active[rank] = 1
-        active[world] = int(self.require_backward_grad_sync)
-        _comm.allreduce(active, "sum", comm=self.control)
-        count, authority = self._join_verdict(active, self._join)
+        active[world] = int(ddp.require_backward_grad_sync)
+        _comm.allreduce(active, "sum", comm=ddp.control)
+        count, authority = self._verdict(active, config)
         if syncbn._trace is not None:  # a new step: the last one's order is complete
-            self._join.trace = syncbn.record([]) or self._join.trace
-        self.reducer.set_divisor(world if self._join.divide_by_initial else count)
+            config.trace = syncbn.record([]) or config.trace
+        ddp.reducer.set_divisor(world if config.divide_by_initial else count)
         # torch's rule under join: buffers come from the highest active rank,
         # since rank 0 may have joined and hold stale ones.
         return authority
 
     def _shadow_until_all_joined(self, config: "JoinConfig") -> None:
-        world, rank = self.pool.size, self.pool.rank
+        ddp = self._owner
+        world, rank = ddp.pool.size, ddp.pool.rank
         last_joiner = True
         while True:
             active = torch.zeros(world + 1, dtype=torch.int64)
-            _comm.allreduce(active, "sum", comm=self.control)
+            _comm.allreduce(active, "sum", comm=ddp.control)
             if not active[:world].any():
                 break
             last_joiner = False
-            _, authority = self._join_verdict(active, config)
+            _, authority = self._verdict(active, config)
             if active[world]:  # the active ranks' forward will sync (not inside no_sync)
-                buffers = self._buffers_to_sync() if self.forward_sync_buffers else []
+                buffers = ddp._buffers_to_sync() if ddp.forward_sync_buffers else []
                 if buffers and world > 1:
-                    broadcast_coalesced(buffers, authority, comm=self.control)
+                    broadcast_coalesced(buffers, authority, comm=ddp.control)
             for layer, kind in config.trace:
                 if kind == "stats":
                     layer._shadow_forward()
@@ -153,11 +166,11 @@ class JoinMixin:
                                   buckets=bool(active[world]))
         # Every rank has joined: the last one to join holds the final model.
         source = torch.tensor([rank if last_joiner else -1], dtype=torch.int64)
-        _comm.allreduce(source, "max", comm=self.control)
+        _comm.allreduce(source, "max", comm=ddp.control)
         if world > 1:
-            broadcast_coalesced(list(self.module.parameters()) +
-                                (self._buffers_to_sync() if self.forward_sync_buffers else []),
-                                int(source), comm=self.control)
+            broadcast_coalesced(list(ddp.module.parameters()) +
+                                (ddp._buffers_to_sync() if ddp.forward_sync_buffers else []),
+                                int(source), comm=ddp.control)
 
     def _shadow_backward(self, layers: list, buckets: bool) -> None:
         # The active ranks' backward interleaves the SyncBatchNorm collectives
@@ -180,7 +193,7 @@ class JoinMixin:
             helper.start()
         try:
             if buckets:
-                self.reducer.shadow()
+                self._owner.reducer.shadow()
         finally:
             if layers:
                 helper.join()

@@ -1,79 +1,111 @@
 """Where each gradient goes: the reducer's bucket layout, rebuilt once and moved into shared memory.
 
-``BucketLayout`` is the part of ``mpidp.ddp.reducer.Reducer`` that decides and
-builds the buckets: which parameters share one (``mpidp.ddp.buckets.assign_buckets``),
-each parameter's slot, the one rebuild in rank 0's observed gradient order
-(torch's bucket rebuild), and the move of the CPU buckets into one mapping the
-node's ranks share (``mpidp.comm.shm``). It is a mixin because every gradient hook
-of the reducer reads the slots it builds; it has no constructor (the
-reducer's calls ``_build``).
-
-The class it is mixed into provides: ``params``, ``_dense`` (indices of the
-parameters with dense gradients), ``_caps`` (bucket capacity and first bucket
-capacity in bytes), ``_solo_bytes``, ``_node`` (an ``mpidp.comm.shm.Node`` or None),
-``_arrival`` (the recorded gradient order or None), ``as_view``, ``control``
-and ``strategy``.
+``BucketLayout`` decides and builds the buckets of a ``mpidp.ddp.reducer.Reducer``:
+which parameters share one (``mpidp.ddp.buckets.assign_buckets``), each
+parameter's slot, the one rebuild in rank 0's observed gradient order (torch's
+bucket rebuild), and the move of the CPU buckets into one mapping the node's
+ranks share (``mpidp.comm.shm``). The reducer holds one and reads the slots
+from every gradient hook.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
+from mpi4py import MPI
 
 from .. import comm as _comm
+from ..comm import shm as _shm
+from . import overlap as _overlap
 from .buckets import Bucket, assign_buckets
 
 __all__ = ["BucketLayout"]
 
 
 class BucketLayout:
-    """Builds ``layout``, ``buckets`` and the parameters' slots in them (a mixin of ``Reducer``)."""
+    """The buckets of a reducer's parameters and each parameter's slot in them.
 
-    def _assign(self, order: list[int] | None = None) -> list[list[int]]:
-        dense = self._dense
+    Args:
+        params: the reducer's parameters, in its order.
+        dense: indices of the parameters with dense gradients (the others are never bucketed).
+        cap_bytes: bucket capacity.
+        first_cap_bytes: capacity of the first bucket of each dtype.
+        solo_bytes: gradients at least this big get a bucket of their own (None: never).
+        make_bucket: ``make_bucket(members, solo)`` builds the bucket of ``members``
+            (indices into ``params``); the reducer's, which a subclass may change.
+        as_view: ``.grad`` is a view into its bucket (``gradient_as_bucket_view``).
+        control: the communicator over which a rebuild's order is broadcast.
+        strategy: the overlap strategy, told the shared-memory window.
+        node: the node's shared memory (``mpidp.comm.shm.Node``), or None: no window.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], dense: Sequence[int], *, cap_bytes: int,
+                 first_cap_bytes: int, solo_bytes: int | None,
+                 make_bucket: Callable[[list[int], bool], Bucket], as_view: bool,
+                 control: MPI.Intracomm, strategy: _overlap._Strategy, node: _shm.Node | None):
+        self.params = params
+        self.dense = list(dense)
+        self.caps = (cap_bytes, first_cap_bytes)
+        self.solo_bytes = solo_bytes
+        self.make_bucket = make_bucket
+        self.as_view = as_view
+        self.control = control
+        self.strategy = strategy
+        self.node = node
+        self.window: _shm.Window | None = None  # the mapping the CPU buckets live in
+        self.members: list[list[int]] = []  # per bucket, its parameters' indices
+        self.buckets: list[Bucket] = []
+        self.position: dict[int, int] = {}  # id(bucket) -> its index in buckets
+        # (bucket, position in it) of each parameter; None: sparse, never bucketed
+        self.slot: list[tuple[Bucket, int] | None] = []
+
+    def assign(self, order: list[int] | None = None) -> list[list[int]]:
+        """The members of each bucket, filled in ``order`` (None: reverse registration order)."""
+        dense, params = self.dense, self.params
         position = {index: k for k, index in enumerate(dense)}
         if order is not None:
             order = [position[i] for i in order if i in position]
-        local = assign_buckets([self.params[i].numel() * self.params[i].element_size() for i in dense],
-                               [(self.params[i].dtype, self.params[i].device) for i in dense],
-                               *self._caps, order=order, solo_bytes=self._solo_bytes)
+        local = assign_buckets([params[i].numel() * params[i].element_size() for i in dense],
+                               [(params[i].dtype, params[i].device) for i in dense],
+                               *self.caps, order=order, solo_bytes=self.solo_bytes)
         return [[dense[k] for k in members] for members in local]
 
     def _is_solo(self, members: list[int]) -> bool:
         param = self.params[members[0]]
-        return (len(members) == 1 and self._solo_bytes is not None
-                and param.numel() * param.element_size() >= self._solo_bytes)
+        return (len(members) == 1 and self.solo_bytes is not None
+                and param.numel() * param.element_size() >= self.solo_bytes)
 
-    def _bucket(self, members: list[int]) -> Bucket:
-        return Bucket([self.params[i] for i in members], solo=self._is_solo(members))
-
-    def _build(self, layout: list[list[int]]) -> None:
-        self.layout = layout
-        self.buckets = [self._bucket(members) for members in layout]
-        self._position = {id(bucket): k for k, bucket in enumerate(self.buckets)}
-        # (bucket, position in it) of each parameter; None: sparse, never bucketed
-        self._slot: list[tuple[Bucket, int] | None] = [None] * len(self.params)
-        for bucket, members in zip(self.buckets, layout):
-            for k, index in enumerate(members):
-                self._slot[index] = (bucket, k)
-        if self._node is not None:
+    def build(self, members: list[list[int]]) -> None:
+        """Make the buckets of ``members`` and the slots (collective with shared memory)."""
+        self.members = members
+        self.buckets = [self.make_bucket(indices, self._is_solo(indices)) for indices in members]
+        self.position = {id(bucket): k for k, bucket in enumerate(self.buckets)}
+        self.slot = [None] * len(self.params)
+        for bucket, indices in zip(self.buckets, members):
+            for k, index in enumerate(indices):
+                self.slot[index] = (bucket, k)
+        if self.node is not None:
             self._adopt_window()
 
     def _slots(self):
-        return ((slot if slot is not None else (None, None)) for slot in self._slot)
+        return ((slot if slot is not None else (None, None)) for slot in self.slot)
 
-    def _rebuild_in_arrival_order(self) -> None:
-        arrived = set(self._arrival)
-        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in arrived]
-        self._arrival = None
+    def rebuild(self, arrival: list[int]) -> None:
+        """Lay the buckets out again in rank 0's ``arrival`` order (collective).
+
+        A gradient that was a view into its old bucket becomes one into its new bucket.
+        """
+        arrived = set(arrival)
+        order = arrival + [i for i in reversed(range(len(self.params))) if i not in arrived]
         shared = torch.tensor(order, dtype=torch.int64)
         _comm.broadcast(shared, 0, comm=self.control)
-        layout = self._assign(shared.tolist())
-        if layout == self.layout:
+        members = self.assign(shared.tolist())
+        if members == self.members:
             return
         old_views = [bucket.views[k] if bucket is not None else None for bucket, k in self._slots()]
-        self._build(layout)
+        self.build(members)
         if self.as_view:
             for param, old, (bucket, k) in zip(self.params, old_views, self._slots()):
                 new = bucket.views[k] if bucket is not None else None
@@ -91,7 +123,7 @@ class BucketLayout:
         allocate, every rank keeps its buckets and reduces with MPI from now on.
         The previous layout's mapping goes with the last tensor on it.
         """
-        node = self._node
+        node = self.node
         buckets = [b for b in self.buckets if not b.solo and b.buffer is not None
                    and b.buffer.device.type == "cpu"]
         if not buckets:
@@ -102,7 +134,7 @@ class BucketLayout:
             total += -(-bucket.buffer.numel() * bucket.buffer.element_size() // 64) * 64
         window = node.allocate(total)
         if window is None:
-            self._node = self.window = self.strategy.window = None
+            self.node = self.window = self.strategy.window = None
             warnings.warn(f"mpidp: no shared-memory window of {total} bytes could be allocated "
                           f"(is /dev/shm full?); gradients are reduced through MPI",
                           RuntimeWarning, stacklevel=2)

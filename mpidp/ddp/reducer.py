@@ -38,9 +38,11 @@ stepping with half-reduced gradients, and every rank is ready for the next
 step with its communicators lined up.
 
 This module holds the protocol (the hooks, the step's life and the
-bookkeeping); its parts live beside it: ``mpidp.ddp.step`` (a step's state and
-the output search), ``mpidp.ddp.layout`` (the buckets and each parameter's slot),
-``mpidp.ddp.bucket_launch`` (the in-order launch and the wait for it), ``mpidp.ddp.outcome``
+bookkeeping). The reducer holds two parts, each owning its state: its
+``layout`` (``mpidp.ddp.layout.BucketLayout``: the buckets and each parameter's
+slot) and its ``launcher`` (``mpidp.ddp.bucket_launch.BucketLauncher``: the
+in-order launch, its counts, and the wait for it). Beside it are
+``mpidp.ddp.step`` (a step's state and the output search), ``mpidp.ddp.outcome``
 (the copy back into ``.grad`` and the errors the ranks agree on) and
 ``mpidp.ddp.sharded`` (ZeRO stage 2's ``ShardedReducer``, also reachable here).
 """
@@ -75,7 +77,7 @@ __all__ = ["Reducer", "find_tensors", "reachable_parameters"]
 STATS_KEPT = 100
 
 
-class Reducer(BucketLayout, BucketLauncher):
+class Reducer:
     """Averages the gradients of ``params`` across the ranks of ``pool`` during backward.
 
     Args:
@@ -120,27 +122,23 @@ class Reducer(BucketLayout, BucketLauncher):
             chunk_bytes = _chunking.chunk_bytes()
         self.strategy = _overlap.make(overlap, pool, chunk_bytes, self.params[0].device)
         self._divisor = self.world  # what gradients are divided by (join(): the active ranks)
-        self.comm_hook = None  # (state, hook) of DistributedDataParallel.register_comm_hook
-        self._futures: list = []  # (bucket, the hook's future) of the running step
         # Per synced step, the last STATS_KEPT: see DistributedDataParallel.stats().
         self.stats: collections.deque = collections.deque(maxlen=STATS_KEPT)
-        self.record = True  # the statistics and the profiler ranges (DDP.record_stats)
-        self._first_start: float | None = None
-        self._launch_s = 0.0  # see mpidp.ddp.bucket_launch
-        self._step_bytes = self._step_collectives = 0
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.sparse = sorted(sparse)
-        self._dense = [i for i in range(len(self.params)) if i not in set(self.sparse)]
-        self._caps = (bucket_cap_bytes, first_bucket_bytes)
-        self._solo_bytes = solo_bytes
         self._layout_key = [(param.dtype, param.device) for param in self.params]
         # Shared memory: the CPU buckets live in one mapping the node's ranks share,
         # made anew with each layout (collective, as building one is): see mpidp.comm.shm.
-        self._node = shared
-        self.window: _shm.Window | None = None
-        self._build(self._assign())
+        self.layout = BucketLayout(
+            self.params, [i for i in range(len(self.params)) if i not in set(self.sparse)],
+            cap_bytes=bucket_cap_bytes, first_cap_bytes=first_bucket_bytes,
+            solo_bytes=solo_bytes, make_bucket=self._bucket, as_view=gradient_as_bucket_view,
+            control=control, strategy=self.strategy, node=shared)
+        self.layout.build(self.layout.assign())
+        self.launcher = BucketLauncher(self.layout, self.strategy, launch=self._launch,
+                                       world=self.world, timeout=timeout)
         n = len(self.params)
         # counts per parameter, then [failed, step number, its square, joined, stop
         # requested], then one slot per rank for its last wait and one for the step's time
@@ -209,7 +207,7 @@ class Reducer(BucketLayout, BucketLauncher):
         then the sparse gathers and the order rebuild where a step does them.
         """
         self.settle()
-        step = self._step = Step(len(self.params), self.layout, [])
+        step = self._step = Step(len(self.params), self.layout.members, [])
         step.state = RUNNING
         self._count(step)
         self._finish(step, failed=False, joined=True)
@@ -268,7 +266,7 @@ class Reducer(BucketLayout, BucketLauncher):
         elif self.find_unused and not self.static_graph:
             reached = reachable_parameters(tensors)
             unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
-        step = self._step = Step(len(self.params), self.layout, unused)
+        step = self._step = Step(len(self.params), self.layout.members, unused)
         step.counted, self._forward_counted = self._forward_counted, False
         # The outputs' hooks run first in the backward that goes through them,
         # so the end-of-backward callback joins that (outer) backward, even when
@@ -312,13 +310,13 @@ class Reducer(BucketLayout, BucketLauncher):
                 return  # first step: learn the counts; later: wait for the last accumulation
         if self._arrival is not None and step.fired[index] == 1:
             self._arrival.append(index)
-        if param.grad is not None and param.grad.is_sparse and self._slot[index] is not None:
+        slot = self.layout.slot[index]
+        if param.grad is not None and param.grad.is_sparse and slot is not None:
             raise RuntimeError(
                 f"DistributedDataParallel: parameter {self.names[index]!r} received a sparse "
                 f"gradient, but only nn.Embedding/nn.EmbeddingBag(sparse=True) parameters are "
                 f"expected to; mpidp reduces those by gathering indices and values")
         self._mark_ready(step, index, arrived=True)
-        slot = self._slot[index]
         if self.as_view and slot is not None and not slot[0].solo:
             # Free a freshly allocated gradient now (after zero_grad(set_to_none=True)),
             # not at the end of backward: the bucket slice is the gradient from here on.
@@ -343,7 +341,7 @@ class Reducer(BucketLayout, BucketLauncher):
                 f"parameter that find_unused_parameters took for unused). Pass "
                 f"static_graph=True if the graph is the same at every step.")
         step.ready[index] = 1
-        slot = self._slot[index]
+        slot = self.layout.slot[index]
         if slot is None:
             return  # sparse: gathered at the end of the backward
         bucket, k = slot
@@ -359,10 +357,22 @@ class Reducer(BucketLayout, BucketLauncher):
                     view.div_(self._scale)
             else:
                 torch.div(grad, self._scale, out=view)
-        position = self._position[id(bucket)]
+        position = self.layout.position[id(bucket)]
         step.pending[position] -= 1
         if step.pending[position] == 0:
             self._launch_ready(step)
+
+    def _launch_ready(self, step: Step) -> None:
+        self.launcher.launch_ready(step, self._steps)
+
+    def _bucket(self, members: list[int], solo: bool) -> Bucket:
+        """The bucket of parameters ``members`` (the layout's ``make_bucket``)."""
+        return Bucket([self.params[i] for i in members], solo=solo)
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start a full bucket's reduction (the launcher's ``launch``, without a comm hook)."""
+        with self.launcher.fatal_on_error(self._steps):
+            self.strategy.start(bucket.buffer, bucket.divisor)
 
     def _prepare_solo(self, bucket: Bucket, param: torch.Tensor, grad, arrived: bool) -> None:
         # A fresh contiguous gradient is reduced where it lies. Anything else (no
@@ -384,7 +394,7 @@ class Reducer(BucketLayout, BucketLauncher):
     @property
     def _scale(self) -> int:
         # torch's contract: a comm hook receives the local sum and averages itself
-        return 1 if self.comm_hook is not None else self._divisor
+        return 1 if self.launcher.comm_hook is not None else self._divisor
 
     # -- end of a step ----------------------------------------------------------------
 
@@ -400,7 +410,7 @@ class Reducer(BucketLayout, BucketLauncher):
         step.state = DONE
         n = len(self.params)
         entered = time.perf_counter()
-        launched, self._launch_s = self._launch_s, 0.0  # the starts before this wait
+        launched = self.launcher.take_launch_s()  # the starts before this wait
         try:
             if self.static_graph and self._expected is None and not (failed or joined):
                 # first static step: nothing was marked in the hooks
@@ -421,17 +431,15 @@ class Reducer(BucketLayout, BucketLauncher):
                                  timeout=self.timeout, source=TIMEOUT_SOURCE):
                 used = _comm.iallreduce(self._used, "sum", comm=self.control)
             try:
-                self._drain()
+                self.launcher.drain(self._steps)
             finally:
                 summed = used.wait()
                 counts = summed[:n + 5].tolist()
                 waits = summed[n + 5:].numpy().copy() if self.stragglers else None
                 self._used.zero_()
         done = time.perf_counter()
-        self._launch_s = 0.0  # the starts inside this wait are counted in it
-        first, self._first_start = self._first_start, None
-        reduced, self._step_bytes = self._step_bytes, 0
-        collectives, self._step_collectives = self._step_collectives, 0
+        self.launcher.take_launch_s()  # the starts inside this wait are counted in it
+        first, reduced, collectives = self.launcher.take_counts()
         failed_ranks, total, squares, joined_ranks, self.stop_votes = counts[n:n + 5]
         self.bookkeeping_count += 1
         agreed = not failed_ranks and squares * self.world == total * total
@@ -439,7 +447,7 @@ class Reducer(BucketLayout, BucketLauncher):
         waited = launched + done - entered
         self._note_lateness(waits, waited if agreed and not joined_ranks else None)
         if not agreed:
-            for bucket in self.buckets:
+            for bucket in self.layout.buckets:
                 if bucket.solo:
                     bucket.buffer = None  # drop this step's gradient
             self._arrival = [] if self._arrival is not None else None
@@ -447,7 +455,7 @@ class Reducer(BucketLayout, BucketLauncher):
             if error is not None:
                 raise error
             return
-        if self.record:
+        if self.launcher.record:
             self.stats.append(dict(step=self._steps, bytes=reduced, collectives=collectives + 1,
                                    reduction_s=done - (first if first is not None else entered),
                                    wait_s=done - entered, joined=bool(joined),
@@ -461,7 +469,8 @@ class Reducer(BucketLayout, BucketLauncher):
                 self._error = _outcome.missing_error(self.names, counts,
                                                          self.world - joined_ranks)
         if self._arrival is not None:
-            self._rebuild_in_arrival_order()
+            arrival, self._arrival = self._arrival, None
+            self.layout.rebuild(arrival)
 
     def _note_lateness(self, summed, wait_s: float | None) -> None:
         """Take the ranks' waits at the last step from this step's sum; keep this step's."""
@@ -483,6 +492,6 @@ class Reducer(BucketLayout, BucketLauncher):
                 param.grad = average
 
     def _copy_back(self, counts: list[int]) -> None:
-        _outcome.copy_back(self.params, self.buckets, self.layout, counts,
+        _outcome.copy_back(self.params, self.layout.buckets, self.layout.members, counts,
                            known_unused=self.find_unused or self.static_graph,
                            as_view=self.as_view)

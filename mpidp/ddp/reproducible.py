@@ -76,7 +76,7 @@ class ReproducibleReducer(Reducer):
 
     # -- layout -----------------------------------------------------------------------
 
-    def _bucket(self, members: list[int]) -> Bucket:
+    def _bucket(self, members: list[int], solo: bool) -> Bucket:
         params = [self.params[i] for i in members]
         chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, params[0].element_size())
         bucket = Bucket(params, shards=Shards(sum(p.numel() for p in params), self.world, chunk))
@@ -116,7 +116,7 @@ class ReproducibleReducer(Reducer):
             self._take_aside(step)
         if self._row >= self._rows:
             self._grow(self._row + 1)
-        for bucket in self.buckets:
+        for bucket in self.layout.buckets:
             bucket.bind(bucket.store[self._row])
 
     def _check_step(self) -> None:
@@ -148,7 +148,7 @@ class ReproducibleReducer(Reducer):
     def _stash_grads(self) -> None:
         # A gradient left from before (no zero_grad) is added back after the reduction,
         # as torch accumulates; the micro-batch's own gradient starts from None.
-        stores = {bucket.store.untyped_storage().data_ptr() for bucket in self.buckets}
+        stores = {bucket.store.untyped_storage().data_ptr() for bucket in self.layout.buckets}
         for index, param in enumerate(self.params):
             if param.grad is not None:
                 if param.grad.untyped_storage().data_ptr() in stores:  # the last average
@@ -161,7 +161,7 @@ class ReproducibleReducer(Reducer):
 
     def _grow(self, rows: int) -> None:
         self._rows = rows
-        for bucket in self.buckets:
+        for bucket in self.layout.buckets:
             store = bucket.store.new_zeros(rows, bucket.store.shape[1])
             store[:bucket.store.shape[0]].copy_(bucket.store)
             bucket.store = store
@@ -196,7 +196,7 @@ class ReproducibleReducer(Reducer):
     # -- the synced step's reduction --------------------------------------------------
 
     def _launch(self, bucket: Bucket) -> None:
-        with self._fatal_on_error():
+        with self.launcher.fatal_on_error(self._steps):
             self._reduce_bucket(bucket)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
@@ -204,7 +204,7 @@ class ReproducibleReducer(Reducer):
         rows, world, rank = self._row + 1, self.world, self.control.Get_rank()
         count = rows * world
         store = bucket.store[:rows]
-        target = self.sink.grad_target(self._position[id(bucket)]) if self.sink else None
+        target = self.sink.grad_target(self.layout.position[id(bucket)]) if self.sink else None
         pool = self.strategy.pool
         for (start, stop), (low, high, position) in zip(bucket.shards.chunks,
                                                         bucket.shards.blocks(rank)):
@@ -241,9 +241,9 @@ class ReproducibleReducer(Reducer):
         else:
             # .grad becomes a view of the averages (no copy); the next micro-batch's
             # forward takes it out of the way first (_stash_grads)
-            for bucket in self.buckets:
+            for bucket in self.layout.buckets:
                 bucket.buffer = bucket.buffer[:bucket.shards.numel]  # without the padding
-            _outcome.copy_back(self.params, self.buckets, self.layout, counts,
+            _outcome.copy_back(self.params, self.layout.buckets, self.layout.members, counts,
                                known_unused=self.find_unused, as_view=True)
         stash, self._stash = self._stash, {}
         for index, earlier in stash.items():

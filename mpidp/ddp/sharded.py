@@ -56,7 +56,7 @@ class ShardedReducer(Reducer):
         options.update(gradient_as_bucket_view=False, predict_order=False)
         super().__init__(named_params, pool, control, **options)
 
-    def _bucket(self, members: list[int]) -> Bucket:
+    def _bucket(self, members: list[int], solo: bool) -> Bucket:
         params = [self.params[i] for i in members]
         # the chunks mpidp.comm.chunking.pieces would cut: rank r owns a block of each
         chunk = _chunking.chunk_numel(self.strategy.chunk_bytes, params[0].element_size())
@@ -89,7 +89,7 @@ class ShardedReducer(Reducer):
 
     def _mark_ready(self, step: Step, index: int, arrived: bool = False,
                     zero: bool = False) -> None:
-        slot = self._slot[index]
+        slot = self.layout.slot[index]
         if slot is not None and slot[0].buffer is None and not step.ready[index]:
             grad = self.params[index].grad
             if (slot[0].direct and arrived and not zero and grad is not None
@@ -103,11 +103,11 @@ class ShardedReducer(Reducer):
             self.params[index].grad = None  # its share is in the bucket now
 
     def _launch(self, bucket: Bucket) -> None:
-        target = self.sink.grad_target(self._position[id(bucket)])
+        target = self.sink.grad_target(self.layout.position[id(bucket)])
         shards = bucket.shards
         pairs = [(bucket.buffer[start:stop], target[position:position + (stop - start) // self.world])
                  for (start, stop), (_, _, position) in zip(shards.chunks, shards.blocks(0))]
-        with self._fatal_on_error():
+        with self.launcher.fatal_on_error(self._steps):
             self.strategy.start(bucket.buffer, 1, pairs)
         if isinstance(self.strategy, _overlap.InlineStrategy):
             self._release(bucket)  # reduced already: the buffer can serve the next bucket

@@ -146,7 +146,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             reducer = ddp._shard_gradients(self)
             self._ddp = weakref.ref(ddp)
             self._by_reducer = [self._index[id(p)] for p in reducer.params]
-            for bucket, members in zip(reducer.buckets, reducer.layout):
+            for bucket, members in zip(reducer.layout.buckets, reducer.layout.members):
                 self._add_bucket([self._by_reducer[i] for i in members], bucket.shards, True)
         placed = {i for bucket in self._buckets for i in bucket.members}
         self._lay_out([i for i in range(len(params)) if i not in placed])

@@ -42,9 +42,9 @@ def report(name, value):
 def test_mlp_matches_single_process_for_every_bucket_cap(optimizer, bucket_cap_mb):
     ddp, local = train_pair("mlp", optimizer, bucket_cap_mb=bucket_cap_mb)
     if bucket_cap_mb == 0.001:
-        assert len(ddp.reducer.buckets) >= 2
+        assert len(ddp.reducer.layout.buckets) >= 2
     if bucket_cap_mb >= 1:
-        assert len(ddp.reducer.buckets) == 1  # the whole 6 KB model fits the 1 MiB first bucket
+        assert len(ddp.reducer.layout.buckets) == 1  # the whole 6 KB model fits the 1 MiB first bucket
     diff = max_rel_diff(ddp.module, local)
     report(f"mlp-{optimizer}-cap{bucket_cap_mb}", diff)
     assert diff < TOLERANCE
@@ -65,7 +65,7 @@ def test_tied_weight_is_one_parameter_reduced_once():
     ddp = mpidp.DistributedDataParallel(Tied())
     # embed.weight, hidden.weight, hidden.bias, out.bias: out.weight is embed.weight
     assert len(ddp.reducer.params) == 4
-    assert sum(len(members) for members in ddp.reducer.layout) == len(ddp.reducer.params)
+    assert sum(len(members) for members in ddp.reducer.layout.members) == len(ddp.reducer.params)
 
 
 def test_frozen_parameters_are_left_out_and_unchanged():
@@ -78,14 +78,14 @@ def test_frozen_parameters_are_left_out_and_unchanged():
 
 def test_mixed_dtypes_get_one_dtype_per_bucket():
     ddp, _ = train_pair("mixed", "sgd", steps=1, bucket_cap_mb=1000)
-    dtypes = [bucket.buffer.dtype for bucket in ddp.reducer.buckets]
+    dtypes = [bucket.buffer.dtype for bucket in ddp.reducer.layout.buckets]
     assert sorted(map(str, dtypes)) == ["torch.float32", "torch.float64"]
 
 
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 def test_gradient_as_bucket_view_leaves_grads_in_the_bucket(as_view):
     ddp, _ = train_pair("mlp", "sgd", steps=2, gradient_as_bucket_view=as_view)
-    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.layout.buckets}
     shares = [p.grad.untyped_storage().data_ptr() in storages for p in ddp.parameters()]
     assert all(shares) if as_view else not any(shares)
 
@@ -163,7 +163,7 @@ def test_communication_starts_during_backward(overlap):
     loss_of("mlp", ddp(shard(x)), shard(y)).backward()
     # when the first-registered (last-produced) gradient arrives, all buckets
     # but the one holding it have been launched already
-    assert launched_when[0] >= len(ddp.reducer.buckets) - 1
+    assert launched_when[0] >= len(ddp.reducer.layout.buckets) - 1
 
 
 def test_gradient_order_prediction_rebuilds_buckets_and_changes_no_result():
@@ -173,8 +173,8 @@ def test_gradient_order_prediction_rebuilds_buckets_and_changes_no_result():
                                 predict_gradient_order=predict)
         assert max_rel_diff(ddp.module, local) < TOLERANCE
         names = ddp.reducer.names
-        first_bucket = {names[i] for i in ddp.reducer.layout[0]}
-        last_bucket = {names[i] for i in ddp.reducer.layout[-1]}
+        first_bucket = {names[i] for i in ddp.reducer.layout.members[0]}
+        last_bucket = {names[i] for i in ddp.reducer.layout.members[-1]}
         if predict:  # head, then layers.0 (used last in forward), ..., layers.3
             assert first_bucket <= {"head.bias", "head.weight"} and "layers.3.weight" in last_bucket
         else:  # reverse registration: head first, layers.0 last, though it arrives second
@@ -191,7 +191,7 @@ def test_every_overlap_strategy_and_inplace_reduction_match_single_process(overl
     ddp, local = train_pair("mlp", "adam", bucket_cap_mb=0.001, chunk_mb=0.0005,
                             overlap=overlap, inplace_threshold_mb=inplace)
     if inplace:
-        assert any(b.solo for b in ddp.reducer.buckets) and not all(b.solo for b in ddp.reducer.buckets)
+        assert any(b.solo for b in ddp.reducer.layout.buckets) and not all(b.solo for b in ddp.reducer.layout.buckets)
     diff = max_rel_diff(ddp.module, local)
     report(f"overlap-{overlap}-{'inplace' if inplace else 'bucketed'}", diff)
     assert diff < TOLERANCE

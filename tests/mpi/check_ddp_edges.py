@@ -257,7 +257,7 @@ def test_converting_through_the_wrapper_rebuilds_the_buckets(overlap):
     ddp = mpidp.DistributedDataParallel(seeded(mlp), overlap=overlap, bucket_cap_mb=0.001)
     local = reference_copy(ddp.module).double()
     assert ddp.double() is ddp
-    assert {b.buffer.dtype for b in ddp.reducer.buckets if b.buffer is not None} == {torch.float64}
+    assert {b.buffer.dtype for b in ddp.reducer.layout.buckets if b.buffer is not None} == {torch.float64}
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
     for step in range(3):

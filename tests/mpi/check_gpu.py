@@ -101,7 +101,7 @@ def test_device_ids_of_the_local_gpu_move_cpu_inputs_and_moving_the_wrapper_rebu
     with pytest.raises(ValueError, match="device_ids\\[0\\] must be the module's device"):
         mpidp.DistributedDataParallel(mlp().to(DEVICE), device_ids=[DEVICE.index + 1])
     moved = mpidp.DistributedDataParallel(mlp()).to(DEVICE)  # the wrapper follows its module
-    assert {b.buffer.device for b in moved.reducer.buckets if b.buffer is not None} == {DEVICE}
+    assert {b.buffer.device for b in moved.reducer.layout.buckets if b.buffer is not None} == {DEVICE}
     loss_of("mlp", moved(shard(x).to(DEVICE)), shard(y).to(DEVICE)).backward()
 
 
@@ -156,7 +156,7 @@ def test_zero_stages_on_the_gpu_match_the_cpu(stage):
             torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
             opt.step()
         if stage == 2:  # the flat buffers live where the parameters do
-            assert all(b.buffer.device == torch.device(device) for b in ddp.reducer.buckets
+            assert all(b.buffer.device == torch.device(device) for b in ddp.reducer.layout.buckets
                        if b.buffer is not None)
     diff = rel(models[1], models[0])
     report(f"zero-stage{stage}", diff)
@@ -316,7 +316,7 @@ def test_bucket_copies_through_the_kernel_or_torch_give_the_cpu_gradients(by_ker
     for model, device in zip(models, ("cpu", DEVICE)):
         x, y = batches(0)
         torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
-    copies = len([b for b in models[1].reducer.buckets if not b.solo])
+    copies = len([b for b in models[1].reducer.layout.buckets if not b.solo])
     assert launches() - before == (copies if by_kernel else 0)
     for p, q in zip(gpu.parameters(), cpu.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)

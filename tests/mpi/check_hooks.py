@@ -572,11 +572,11 @@ def test_no_sync_calls_the_hook_once_per_bucket_of_each_synced_step():
         calls.clear()
         with ddp.no_sync():
             loss_on(ddp, 100 + step).backward()
-        if ddp.reducer.comm_hook is not None:
+        if ddp.reducer.launcher.comm_hook is not None:
             assert calls == []
         loss_on(ddp, step).backward()
-        if ddp.reducer.comm_hook is not None:
-            assert calls == list(range(len(ddp.reducer.buckets)))
+        if ddp.reducer.launcher.comm_hook is not None:
+            assert calls == list(range(len(ddp.reducer.layout.buckets)))
 
     grads, got = train(counting, None, step_fn=accumulate)
     assert calls  # the checks above ran
@@ -637,7 +637,7 @@ def test_in_place_buckets_with_a_hook():
         return hooks.allreduce_hook(state, bucket)
 
     def check(ddp):
-        assert sum(bucket.solo for bucket in ddp.reducer.buckets) == 2
+        assert sum(bucket.solo for bucket in ddp.reducer.layout.buckets) == 2
 
     grads, got = train(checking, None, options=options, check=check)
     assert views.count(1) >= 2 * STEPS  # the two in-place buckets, at every step
@@ -655,7 +655,7 @@ def test_registering_twice_raises_everywhere():
         with pytest.raises(RuntimeError, match="only be called once"):
             ddp.register_comm_hook(None, hooks.allreduce_hook)
         loss_on(ddp, 0).backward()  # the first one stays
-        assert ddp.reducer.comm_hook[1] is hooks.allreduce_hook
+        assert ddp.reducer.launcher.comm_hook[1] is hooks.allreduce_hook
     assert_alive()
 
 
@@ -664,7 +664,7 @@ def test_registering_after_the_first_backward_raises_everywhere():
         loss_on(ddp, 0).backward()
         with pytest.raises(RuntimeError, match="before the first backward"):
             ddp.register_comm_hook(None, hooks.allreduce_hook)
-        assert ddp.reducer.comm_hook is None
+        assert ddp.reducer.launcher.comm_hook is None
         loss_on(ddp, 1).backward()
     assert_alive()
 
@@ -674,7 +674,7 @@ def test_a_different_hook_on_rank_1_raises_everywhere():
     with DDP(net(), **SMALL) as ddp:
         with pytest.raises(ValueError, match="different hooks"):
             ddp.register_comm_hook(None, hook)
-        assert ddp.reducer.comm_hook is None
+        assert ddp.reducer.launcher.comm_hook is None
         loss_on(ddp, 0).backward()
     assert_alive()
 
@@ -745,7 +745,7 @@ def test_profiler_records_every_bucket(hook):
         loss_on(ddp, 0).backward()  # the buckets are rebuilt in arrival order after it
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             loss_on(ddp, 1).backward()
-        buckets = ddp.reducer.buckets
+        buckets = ddp.reducer.layout.buckets
         assert len(buckets) >= 3
         names = sorted(event.name for event in prof.events()
                        if event.name.startswith("mpidp.DDP bucket "))
@@ -769,7 +769,7 @@ ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.0005, first_bucket_mb
                                     shared_memory=False, overlap="inline")
 for step in range(2):
     ddp(torch.randn(4, 10)).sum().backward()
-print(f"buckets {len(ddp.reducer.buckets)}")
+print(f"buckets {len(ddp.reducer.layout.buckets)}")
 """
 
 
@@ -831,11 +831,11 @@ def test_profile_refuses_a_missing_folder_on_every_rank():
 
 
 def bucket_bytes(ddp) -> list[int]:
-    """numel * element_size of each of ``ddp.reducer.buckets`` (in-place ones hold no buffer)."""
+    """numel * element_size of each of ``ddp.reducer.layout.buckets`` (in-place ones hold no buffer)."""
     reducer = ddp.reducer
-    assert len(reducer.buckets) == len(reducer.layout)
+    assert len(reducer.layout.buckets) == len(reducer.layout.members)
     return [sum(shape.numel() for shape in bucket.shapes) * reducer.params[members[0]].element_size()
-            for bucket, members in zip(reducer.buckets, reducer.layout)]
+            for bucket, members in zip(reducer.layout.buckets, reducer.layout.members)]
 
 
 @pytest.mark.parametrize("hook", [None, hooks.allreduce_hook], ids=["no_hook", "allreduce_hook"])

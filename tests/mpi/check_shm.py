@@ -148,8 +148,8 @@ def no_sync_step(ddp, model_name, x, y):
 
 
 def in_window(ddp) -> bool:
-    window = ddp.reducer.window
-    return window is not None and all(window.holds(b.buffer) for b in ddp.reducer.buckets)
+    window = ddp.reducer.layout.window
+    return window is not None and all(window.holds(b.buffer) for b in ddp.reducer.layout.buckets)
 
 
 def report(name, value):
@@ -161,9 +161,9 @@ def report(name, value):
 def test_ddp_through_shared_memory_matches_one_process(overlap, view):
     ddp, local = train_pair(overlap=overlap, gradient_as_bucket_view=view,
                             bucket_cap_mb=0.001, first_bucket_mb=0.0005)
-    assert in_window(ddp) and len(ddp.reducer.buckets) > 2
+    assert in_window(ddp) and len(ddp.reducer.layout.buckets) > 2
     if view:  # gradients are the window's bucket views
-        assert all(ddp.reducer.window.holds(p.grad) for p in ddp.module.parameters())
+        assert all(ddp.reducer.layout.window.holds(p.grad) for p in ddp.module.parameters())
     diff = max_rel_diff(ddp.module, local)
     report(f"ddp-{overlap}-{'view' if view else 'copy'}", diff)
     assert diff < 1e-5
@@ -176,9 +176,9 @@ def test_large_gradients_through_mpi_beside_buckets_in_shared_memory(overlap):
     """The default ("auto") without bucket views: big gradients reduced in place by MPI,
     in bucket order among the shared-memory buckets."""
     ddp, local = train_pair(overlap=overlap, bucket_cap_mb=0.001, inplace_threshold_mb=0.001)
-    solo = [b for b in ddp.reducer.buckets if b.solo]
-    shared = [b for b in ddp.reducer.buckets if not b.solo]
-    assert solo and shared and all(ddp.reducer.window.holds(b.buffer) for b in shared)
+    solo = [b for b in ddp.reducer.layout.buckets if b.solo]
+    shared = [b for b in ddp.reducer.layout.buckets if not b.solo]
+    assert solo and shared and all(ddp.reducer.layout.window.holds(b.buffer) for b in shared)
     diff = max_rel_diff(ddp.module, local)
     report(f"ddp-{overlap}-inplace-beside-shared", diff)
     assert diff < 1e-5
@@ -191,11 +191,11 @@ def test_auto_puts_every_gradient_in_shared_buckets_with_bucket_views():
         return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 5))
 
     with mpidp.DistributedDataParallel(model()) as copies:
-        assert [b.solo for b in copies.reducer.buckets].count(True) == 1
+        assert [b.solo for b in copies.reducer.layout.buckets].count(True) == 1
     with mpidp.DistributedDataParallel(model(), gradient_as_bucket_view=True) as views:
-        assert not any(b.solo for b in views.reducer.buckets) and in_window(views)
+        assert not any(b.solo for b in views.reducer.layout.buckets) and in_window(views)
     with mpidp.DistributedDataParallel(model(), gradient_as_bucket_view=True, shared_memory=False) as mpi:
-        assert [b.solo for b in mpi.reducer.buckets].count(True) == 1
+        assert [b.solo for b in mpi.reducer.layout.buckets].count(True) == 1
 
 
 def test_no_sync_accumulation_through_shared_memory():
@@ -221,15 +221,15 @@ def test_unused_parameters_through_shared_memory():
 
 def test_the_new_layout_after_the_first_step_gets_a_window_of_its_own():
     ddp = mpidp.DistributedDataParallel(fresh("mlp"), bucket_cap_mb=0.001, gradient_as_bucket_view=True)
-    first = ddp.reducer.window
-    layout = ddp.reducer.layout
+    first = ddp.reducer.layout.window
+    layout = ddp.reducer.layout.members
     x, y = inputs("mlp", 0)
     loss_of("mlp", ddp(shard(x)), shard(y)).backward()
-    if ddp.reducer.layout != layout:  # rebuilt in arrival order: a new mapping
-        assert ddp.reducer.window is not first
+    if ddp.reducer.layout.members != layout:  # rebuilt in arrival order: a new mapping
+        assert ddp.reducer.layout.window is not first
     assert in_window(ddp)
     grads = [p.grad.clone() for p in ddp.module.parameters()]
-    assert all(ddp.reducer.window.holds(p.grad) for p in ddp.module.parameters())
+    assert all(ddp.reducer.layout.window.holds(p.grad) for p in ddp.module.parameters())
     ddp.close()  # the gradients keep their memory after close
     gc.collect()
     assert all(torch.equal(p.grad, g) for p, g in zip(ddp.module.parameters(), grads))
@@ -237,11 +237,11 @@ def test_the_new_layout_after_the_first_step_gets_a_window_of_its_own():
 
 def test_shared_memory_false_and_the_environment_switch(monkeypatch):
     ddp = mpidp.DistributedDataParallel(fresh("mlp"), shared_memory=False)
-    assert ddp.reducer.window is None
+    assert ddp.reducer.layout.window is None
     ddp.close()
     monkeypatch.setenv("MPIDP_SHARED_MEMORY", "0")
     ddp = mpidp.DistributedDataParallel(fresh("mlp"))
-    assert ddp.reducer.window is None
+    assert ddp.reducer.layout.window is None
     ddp.close()
 
 
@@ -255,7 +255,7 @@ def test_shared_memory_true_on_uneven_nodes_raises_on_every_rank(monkeypatch):
                                          r"hold different numbers of ranks \(\[1, 3\]\)"):
         mpidp.DistributedDataParallel(fresh("mlp"), shared_memory=True)
     ddp = mpidp.DistributedDataParallel(fresh("mlp"))  # None: MPI, silently
-    assert ddp.reducer.window is None
+    assert ddp.reducer.layout.window is None
     ddp.close()
     COMM.Barrier()
 
@@ -272,7 +272,7 @@ def test_a_rank_that_cannot_map_the_memory_sends_every_rank_to_mpi(monkeypatch):
         monkeypatch.setattr(shm.os, "open", failing_open)
     with pytest.warns(RuntimeWarning, match="no shared-memory window of .* bytes could be allocated"):
         ddp, local = train_pair(steps=2)
-    assert ddp.reducer.window is None
+    assert ddp.reducer.layout.window is None
     assert max_rel_diff(ddp.module, local) < 1e-5
     ddp.close()
 
