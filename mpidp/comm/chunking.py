@@ -11,16 +11,29 @@ overflow the caches), so every large reduction mpidp makes goes chunk by
 chunk: DDP's buckets under every overlap strategy (``chunk_mb``), the comm
 hooks, and the torch.distributed backend's all_reduce (docs/performance-comm.md, "Figures behind the code's choices").
 
-Division by the number of ranks lives here too (``divide``), with its one
-rule: mpidp divides before the sum, as torch's DDP and its comm hooks do (an
-average of N summands stays in the range of a low-precision dtype where their
-sum may not), and a chunk is divided just before it is reduced, while it is
-still in cache, never the whole buffer in a separate pass. DDP's buckets
-under every strategy, the shared-memory window, the comm hooks, sparse
-gradients and the backend's ``premul_sum`` follow it. Two operations divide
-after the sum because their peers define them so, and say where they do: the
-``"avg"`` op of ``mpidp.comm`` (torch's ``ReduceOp.AVG``) and Horovod's
-``Average`` with its ``postscale_factor`` (``mpidp.horovod.reductions``).
+Division by the number of ranks lives here too (``divide``, ``divided``), with
+its one rule: mpidp divides before the sum, as torch's DDP and its comm hooks
+do (an average of N summands stays in the range of a low-precision dtype where
+their sum may not), and a chunk is divided just before it is reduced, while it
+is still in cache, never the whole buffer in a separate pass. DDP's buckets
+under every strategy (and compiled autograd's gradients), the shared-memory
+window, the comm hooks, sparse gradients and the backend's ``premul_sum``
+follow it. The listed exceptions divide after the sum because their peers
+define them so, and go through ``mean_of_sum`` but where named:
+
+- the ``"avg"`` op of ``mpidp.comm`` (torch's ``ReduceOp.AVG``);
+- PowerSGD (``mpidp.hooks.powersgd``): torch's ``powerSGD_hook`` divides the
+  uncompressed tensors and Q after their allreduce (P is orthogonalised after
+  its sum, so its scale does not matter), and mpidp keeps torch's arithmetic;
+- reproducible mode (``mpidp.ddp.reproducible``): the micro-batches' gradients
+  are added in one fixed order and the sum divided by their number once, as one
+  process computing the mean would;
+- Horovod's ``Average`` with its ``postscale_factor`` and its rounding rules
+  (``mpidp.horovod.reductions.scale_``, which divides itself), and the sparse
+  allreduce's gathered values (``mpidp.horovod.collectives``: Horovod's
+  ``values / size``, a new tensor, as an integer tensor needs).
+
+tests/test_rules.py fails on any other division of a tensor by a rank count.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ import torch
 from .. import settings
 
 __all__ = ["BUCKET_CAP_MB", "CHUNK_MB", "DEFAULTS", "FIRST_BUCKET_MB", "INPLACE_MB", "MB", "Sizes",
-           "chunk_bytes", "chunk_numel", "divide", "pieces"]
+           "chunk_bytes", "chunk_numel", "divide", "divided", "mean_of_sum", "pieces"]
 
 MB = 1 << 20  # bytes in a MiB, the unit of every size argument
 CHUNK_MB: float = settings.get("MPIDP_CHUNK_MB")
@@ -106,3 +119,15 @@ def pieces(buffer: torch.Tensor, nbytes: int, divisor: int = 1):
 def divide(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
     """``tensor`` divided by ``divisor`` in place (before its sum: see the module's rule)."""
     return tensor.div_(divisor) if divisor != 1 else tensor
+
+
+def divided(tensor: torch.Tensor, divisor: int, *, out: torch.Tensor) -> torch.Tensor:
+    """``tensor / divisor`` written into ``out``: a gradient's copy into its bucket and its
+    division (before the sum) in one pass; returns ``out``."""
+    return torch.div(tensor, divisor, out=out)
+
+
+def mean_of_sum(total: torch.Tensor, count: int) -> torch.Tensor:
+    """``total``, a complete sum, divided by ``count`` in place: the listed exceptions' division
+    after the sum (see the module's rule); returns it."""
+    return total.div_(count) if count != 1 else total

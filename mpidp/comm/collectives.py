@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from . import checks as _checks
+from . import chunking as _chunking
 from .checks import _check_root, _check_same_call, _check_tensor, _overlap
 from .dtypes import _buffer, _check_op, _dtype_name, _reduction
 from .handle import Handle, _start
@@ -22,7 +23,7 @@ __all__ = [
 
 
 def _avg(tensor: torch.Tensor, op: str, size: int):
-    return (lambda: tensor.div_(size)) if op == "avg" and size > 1 else None
+    return (lambda: _chunking.mean_of_sum(tensor, size)) if op == "avg" and size > 1 else None
 
 
 def _allreduce(tensor, op, comm, nonblocking, debug=True):

@@ -17,6 +17,7 @@ import torch
 from .. import _args
 from ..comm import agreement as _agreement
 from .. import comm as _comm
+from ..comm import chunking as _chunking
 from .basics import _DTYPE_CODES, GradBucket, _comm_of, _done, allreduce_hook, world_size
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
@@ -201,7 +202,7 @@ def _powersgd(state: PowerSGDState, bucket: GradBucket, comm, size: int,
     if exact:
         flat = torch.cat([tensor.reshape(-1) for tensor in exact])
         _comm.allreduce(flat, "sum", comm=comm)
-        flat.div_(size)
+        _chunking.mean_of_sum(flat, size)  # after the sum, as torch's hook (mpidp.comm.chunking)
         at = 0
         for tensor in exact:
             tensor.copy_(flat[at:at + tensor.numel()].view_as(tensor))
@@ -214,7 +215,7 @@ def _powersgd(state: PowerSGDState, bucket: GradBucket, comm, size: int,
         # torch's bmm(M^T, P); the same products, summed in another order.
         q.copy_(torch.bmm(p.transpose(1, 2), matrix).transpose(1, 2))
     _comm.allreduce(state.q_memory_dict[index], "sum", comm=comm)
-    state.q_memory_dict[index].div_(size)
+    _chunking.mean_of_sum(state.q_memory_dict[index], size)
     for p, q, matrix in zip(ps, qs, matrices):
         torch.bmm(p, q.transpose(1, 2), out=matrix)
     if error is not None:
