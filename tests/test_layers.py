@@ -159,6 +159,55 @@ def test_modules_over_the_soft_size_warn():
                       f"trimming): {over}", stacklevel=1)
 
 
+# MPI's completion calls, as mpi4py spells them (the lowercase -all/-any/-some forms are
+# mpi4py's for pickled requests; a lowercase wait/test is too common a name to tell apart).
+_COMPLETIONS = {f"{verb}{form}" for verb in ("Wait", "Test") for form in ("", "all", "any", "some")}
+_COMPLETIONS |= {name.lower() for name in _COMPLETIONS if name not in ("Wait", "Test")}
+# The engine completes every operation in flight (mpidp.comm.progress); the watchdog's and
+# the store's channels serve that layer, so they complete their own messages.
+_COMPLETING = ("comm", "comm.*", "watchdog.report", "store", "store.*")
+
+
+def _completion_calls(path: Path) -> list[str]:
+    """``line: call`` for each MPI completion call in ``path``: ``x.Test(...)``, ``getattr(x, "Wait")``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        if isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant):
+            name = node.args[1].value
+        if name in _COMPLETIONS:
+            found.append((node.lineno, name))
+    return [f"{line}: {name}" for line, name in sorted(found)]
+
+
+def _completes(name: str) -> bool:
+    return any(name == member or (member.endswith(".*") and name.startswith(member[:-1]))
+               for member in _COMPLETING)
+
+
+def test_only_the_engine_completes_mpi_requests():
+    """One engine completes operations: no MPI Wait/Test (-all/-any/-some) outside mpidp.comm,
+    but the watchdog's and the store's own channels (a private wait loop is a second engine)."""
+    stray = {f"mpidp.{name}": calls for name, path in sorted(_modules().items())
+             if not _completes(name) and (calls := _completion_calls(path))}
+    assert not stray, ("MPI completion calls outside the engine; start an Operation "
+                       "(mpidp.comm.operation) and complete it through mpidp.comm.progress: "
+                       + "; ".join(f"{n} line {', line '.join(c)}" for n, c in stray.items()))
+
+
+def test_the_completion_scan_sees_every_form(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f(r, rs, c):\n    while not r.Test():\n        pass\n"
+                    "    MPI.Request.Waitall(rs)\n    c.isend(1, 0).wait()\n    getattr(r, 'Wait')()\n"
+                    "    MPI.Request.testsome(rs)\n")
+    assert _completion_calls(fake) == ["2: Test", "4: Waitall", "6: Wait", "7: testsome"]
+    assert _completes("comm.progress") and _completes("store.server")
+    assert not _completes("process_group.progress") and not _completes("watchdog")
+
+
 def _own_bases(name: str, path: Path, modules: dict[str, Path]) -> dict[str, list[str]]:
     """Each class of module ``name`` -> its bases that are classes of mpidp (as written).
 

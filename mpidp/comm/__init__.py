@@ -23,9 +23,14 @@ The package, one concept a module:
 - ``collectives``: the collectives of equal blocks (allreduce ... scatter, barrier);
 - ``uneven``: ``alltoall`` with splits and ``allgatherv``, whose sizes differ by rank;
 - ``p2p``: send and recv;
-- ``handle``: the engine's core: ``issue`` (where every collective mpidp makes starts),
-  ``collective`` (blocking calls on what is not a tensor: control words, pickled
-  objects), ``Handle`` (a pending operation that owns its tensors) and ``wait_request``;
+- ``handle``: where a collective starts: ``issue`` (where every collective mpidp makes
+  starts), ``collective`` (blocking calls on what is not a tensor: control words, pickled
+  objects) and ``_start``;
+- ``operation``: ``Operation`` (public name ``Handle``), the one kind of operation in
+  flight: it owns its tensors, recorder ticket, watchdog label and MPI error mapping, over
+  one or several requests, or in parts (``Staged``: a chunked reduction);
+- ``progress``: the one driver that completes any set of operations (``test``,
+  ``test_all``, ``wait``, ``wait_all``) with the one back-off policy (``Backoff``);
 - ``pool``: ``Pool``, ``default_pool`` and what a ``comm`` argument stands for;
 - ``dtypes``: dtype and op tables, MPI datatypes and buffers, ``reduction_path``;
 - ``staging``: host and contiguous stand-ins for tensors MPI cannot take as they are;
@@ -68,7 +73,7 @@ from .checks import _debug_from_env as _debug_from_env
 from .checks import _overlap as _overlap
 from .checks import _ranks as _ranks
 from .dtypes import _DATATYPES as _DATATYPES
-from .handle import _in_flight as _in_flight
+from .operation import _in_flight as _in_flight
 from .p2p import _irecv as _irecv
 from .pool import _base as _base
 from .pool import _collective_comm as _collective_comm

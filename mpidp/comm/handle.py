@@ -1,4 +1,8 @@
-"""``Handle``: a pending nonblocking operation, and ``_start``, which runs one blocking or not."""
+"""Where a collective starts: ``issue``, ``collective``, and ``_start``, which runs one blocking or not.
+
+A nonblocking start returns a ``Handle``: the engine's ``Operation`` (``mpidp.comm.operation``),
+completed through ``mpidp.comm.progress``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import array
 import itertools
 import os
 import signal
-import threading
 
 from mpi4py import MPI
 
@@ -14,30 +17,15 @@ from .. import errors as _errors
 from .. import recorder as _recorder
 from .. import settings
 from .. import watchdog as _watchdog
+from . import progress as _progress
+from .operation import Operation as Handle
 
 __all__ = ["Handle"]
 
-# Handles whose MPI request is in flight; holding them here keeps their tensors
-# alive even if the caller drops the handle without waiting.
-_in_flight: set = set()
-
-# The thread that must never block in MPI (docs/concurrency.md, rule 3) registers itself
-# here: its thread id, and how to complete a request while progressing the rest. A
-# blocking step of an mpidp.comm call made on that thread (a future's callback issuing a
-# collective, an argument exchange, the MPIDP_DEBUG check) is then started nonblocking
-# and driven, never waited on in MPI_Wait. Compared by id: every blocking call asks.
-_driver_ident: int | None = None
-_drive = None
-
-
-def set_driver(ident: int | None, drive) -> None:
-    """Register the never-blocking thread (``ident``, None: none) and ``drive(request)``."""
-    global _driver_ident, _drive
-    _driver_ident, _drive = ident, drive
-
-
-def _driving() -> bool:
-    return _driver_ident is not None and threading.get_ident() == _driver_ident
+# A blocking step of an mpidp.comm call made on the never-blocking thread (a future's
+# callback issuing a collective, an argument exchange, the MPIDP_DEBUG check) is started
+# nonblocking and driven there (mpidp.comm.progress), never waited on in MPI_Wait.
+_driving = _progress.driving
 
 
 # A test's kill points: this rank counts the collectives it starts whose label holds a
@@ -79,23 +67,6 @@ def issue(comm: MPI.Intracomm, name: str, args, label=None) -> MPI.Request:
     return request
 
 
-def wait_request(request: MPI.Request, label=None, waiting: bool = False) -> None:
-    """Complete ``request``: ``MPI_Wait`` on a program thread (watched under ``label``;
-    ``waiting``: as a wait on an operation started earlier), driven on the registered
-    never-blocking thread."""
-    try:
-        if _driving():
-            _drive(request)
-            return
-        slot = _watchdog.begin(label, None, waiting)
-        try:
-            request.Wait()
-        finally:
-            slot.current = None
-    except MPI.Exception as error:
-        raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
-
-
 # Blocking forms that Open MPI 5.0.11 under ULFM (mpirun --with-ft ulfm) may complete with
 # MPI_SUCCESS without moving any data when a rank of ``comm`` dies during them: MPI_Allgatherv
 # returned success on some or all survivors with the receive buffer untouched in 5 of 5
@@ -115,8 +86,8 @@ def _allgather_objects(comm: MPI.Intracomm, obj) -> list:
     comm.Allgather([array.array("q", [len(data)]), MPI.INT64_T], [sizes, MPI.INT64_T])
     offsets = [0, *itertools.accumulate(sizes)]
     received = bytearray(offsets[-1])
-    comm.Iallgatherv([data, len(data), MPI.BYTE],
-                     [received, (list(sizes), offsets[:-1]), MPI.BYTE]).Wait()
+    _progress.complete(comm.Iallgatherv([data, len(data), MPI.BYTE],
+                                        [received, (list(sizes), offsets[:-1]), MPI.BYTE]))
     view = memoryview(received)
     return [MPI.pickle.loads(view[a:b]) for a, b in zip(offsets, offsets[1:])]
 
@@ -153,68 +124,6 @@ def collective(comm: MPI.Intracomm, name: str, args, label):
         _recorder.ended(ticket)
 
 
-_HERE = object()  # Handle's default scope: the creating thread's innermost
-
-
-class Handle:
-    """A pending nonblocking operation that owns its tensors until it completes.
-
-    ``wait()`` blocks and returns the result (the output tensor; see each
-    ``i``-function); ``is_completed()`` tests without blocking (and drives MPI
-    progress).
-    """
-
-    __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "_ticket",
-                 "__weakref__")
-
-    def __init__(self, request, tensors, result, finish=None, label=None, scope=_HERE, ticket=-1):
-        self._request = request
-        self._tensors = tensors
-        self._result = result
-        self._finish = finish
-        self._label = label  # what wait() waits in, for stall reports (mpidp.watchdog)
-        self._scope = _watchdog.context() if scope is _HERE else scope
-        self._ticket = ticket  # its flight recorder entry (mpidp.recorder)
-        _in_flight.add(self)
-
-    def wait(self):
-        """Block until the operation completes; return its result."""
-        if self._request is not None:
-            slot = _watchdog.begin(self._label, self._scope, True)
-            try:
-                self._settle(self._request.Wait)
-            finally:
-                slot.current = None
-        return self._result
-
-    def is_completed(self) -> bool:
-        """Return True once the operation has completed, without blocking."""
-        return self._request is None or self._settle(self._request.Test)
-
-    def _settle(self, call) -> bool:
-        try:
-            done = call()
-        except MPI.Exception as error:
-            label = self._label
-            self._release()
-            raise _errors.mpi_failure(_watchdog._label_text(label), error) from error
-        except BaseException:
-            self._release()
-            raise
-        if done is False:
-            return False
-        _recorder.ended(self._ticket)
-        finish = self._finish
-        self._release()
-        if finish is not None:
-            finish()
-        return True
-
-    def _release(self):
-        self._request = self._finish = self._tensors = None
-        _in_flight.discard(self)
-
-
 def _record(comm, call: str, label, scope, nonblocking: bool) -> int:
     """The flight recorder's entry for MPI call ``call`` labelled ``(name, tensor, key, value...)``,
     or, for what is not a tensor (``collective``), by a text; a nonblocking one is named as
@@ -247,12 +156,12 @@ def _start(comm: MPI.Intracomm, name: str, args, keep, result, finish, nonblocki
         _kill_point(label, lambda: getattr(comm, "I" + name.lower())(*args))
     try:
         if _driving():  # never block on that thread: the I-form, driven
-            _drive(getattr(comm, "I" + name.lower())(*args))
+            _progress.complete(getattr(comm, "I" + name.lower())(*args))
         else:
             slot = _watchdog.begin(label, scope)
             try:
                 if name in _WAITED:
-                    getattr(comm, "I" + name.lower())(*args).Wait()
+                    _progress.complete(getattr(comm, "I" + name.lower())(*args))
                 else:
                     getattr(comm, name)(*args)
             finally:

@@ -47,39 +47,29 @@ def isend(tensor: torch.Tensor, dest: int, tag: int = 0, *, comm=None) -> Handle
                   label=("send", tensor, "dest", dest, "tag", tag))
 
 
-class _Receive:
-    """A receive request that fills a status, so the message size can be checked."""
+class _Receive(Handle):
+    """A receive: its request fills a status, so the sender and the message size can be checked."""
 
-    __slots__ = ("request", "status", "tensor")
+    __slots__ = ()
 
-    def __init__(self, request, tensor):
-        self.request = request
-        self.status = MPI.Status()
-        self.tensor = tensor
+    def _failed(self, error: MPI.Exception) -> BaseException:
+        tensor, status = self._result, self._status
+        self._release()
+        return ValueError(_mismatch(tensor, status, "more"))
 
-    def Wait(self):
-        return self._run(self.request.Wait)
-
-    def Test(self):
-        return self._run(self.request.Test)
-
-    def _run(self, call):
-        try:
-            return call(self.status)
-        except MPI.Exception as err:
-            raise ValueError(self._mismatch("more")) from err
-
-    def check_count(self):
-        count = self.status.Get_count(_buffer(self.tensor)[2])
-        if count != self.tensor.numel():
-            raise ValueError(self._mismatch(count))
-
-    def _mismatch(self, count):
-        return (f"recv: tensor has {self.tensor.numel()} elements of {self.tensor.dtype}, "
-                f"rank {self.status.Get_source()} sent {count}; sizes must match")
+    def check_count(self) -> None:
+        tensor = self._result
+        count = self._status.Get_count(_buffer(tensor)[2])
+        if count != tensor.numel():
+            raise ValueError(_mismatch(tensor, self._status, count))
 
 
-def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
+def _mismatch(tensor, status, count) -> str:
+    return (f"recv: tensor has {tensor.numel()} elements of {tensor.dtype}, "
+            f"rank {status.Get_source()} sent {count}; sizes must match")
+
+
+def _irecv(tensor, source, tag, comm) -> tuple[Handle, MPI.Status]:
     _check_tensor("tensor", tensor, written=True)
     base = _base(comm)
     if source is not None:
@@ -93,10 +83,11 @@ def _irecv(tensor, source, tag, comm) -> tuple[Handle, _Receive]:
     source = MPI.ANY_SOURCE if source is None else source
     tag = MPI.ANY_TAG if tag is None else tag
     _, (staged,), copy_back = _stage((), (tensor,))
-    receive = _Receive(comm.Irecv(_buffer(staged), source, tag), tensor)
     label = ("recv", tensor, "source", "any" if source == MPI.ANY_SOURCE else source)
-    finish = _chain(receive.check_count, copy_back)
-    return Handle(receive, (tensor, staged), tensor, finish, label), receive
+    receive = _Receive(comm.Irecv(_buffer(staged), source, tag), (tensor, staged), tensor,
+                       label=label, status=MPI.Status())
+    receive._finish = _chain(receive.check_count, copy_back)
+    return receive, receive._status
 
 
 def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None, *,
@@ -112,9 +103,9 @@ def recv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None
     Returns:
         The rank the message came from.
     """
-    handle, receive = _irecv(tensor, source, tag, comm)
+    handle, status = _irecv(tensor, source, tag, comm)
     handle.wait()
-    return receive.status.Get_source()
+    return status.Get_source()
 
 
 def irecv(tensor: torch.Tensor, source: int | None = None, tag: int | None = None, *,

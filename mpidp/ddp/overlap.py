@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from .. import comm as _comm
 from ..comm import chunking as _chunking
+from ..comm import progress as _engine
 from ..comm import staging as _staging
 from .. import cuda as _cuda
 from .. import runtime
@@ -70,7 +71,11 @@ class _Strategy:
 
 
 class NonblockingStrategy(_Strategy):
-    """Nonblocking collectives, progressed by polling from the autograd hooks."""
+    """Nonblocking collectives, progressed by polling from the autograd hooks.
+
+    It decides only when the engine (``mpidp.comm.progress``) tests them: the oldest at
+    every hook, all of them at ``finish``.
+    """
 
     def __init__(self, pool, chunk_bytes):
         super().__init__(pool, chunk_bytes)
@@ -84,12 +89,11 @@ class NonblockingStrategy(_Strategy):
     def poll(self) -> None:
         # MPI progresses every pending request in any test call; testing the
         # oldest is enough and costs well under a microsecond.
-        while self._oldest < len(self._handles) and self._handles[self._oldest].is_completed():
+        while self._oldest < len(self._handles) and _engine.test(self._handles[self._oldest]):
             self._oldest += 1
 
     def finish(self) -> None:
-        for handle in self._handles[self._oldest:]:
-            handle.wait()
+        _engine.wait_all(self._handles[self._oldest:])
         self._handles, self._oldest = [], 0
 
 

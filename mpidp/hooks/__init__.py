@@ -31,6 +31,7 @@ import torch
 from ..comm import agreement as _agreement
 from .. import comm as _comm
 from ..comm import chunking as _chunking
+from ..comm import progress as _engine
 from .basics import _DTYPE_CODES, GradBucket, _comm_of, _done, allreduce_hook, world_size
 from .powersgd import PowerSGDState, powerSGD_hook
 
@@ -99,10 +100,8 @@ def _compressed_pipeline(buffer: torch.Tensor, dtype: torch.dtype, comm, size: i
     sent: list = [None] * len(spans)  # chunk k's alltoall, then its allgather
     gathered: list = [None] * len(spans)
 
-    def poll() -> None:  # drive the transfers in flight while this rank computes
-        for handle in sent + gathered:
-            if handle is not None:
-                handle.is_completed()
+    def poll() -> None:  # the engine drives the transfers in flight while this rank computes
+        _engine.test_all([handle for handle in sent + gathered if handle is not None])
 
     def padded(k: int) -> slice:  # chunk k and the zeros that make it N equal blocks
         at, stop = spans[k]
@@ -117,7 +116,7 @@ def _compressed_pipeline(buffer: torch.Tensor, dtype: torch.dtype, comm, size: i
         sent[k] = _comm.ialltoall(received[padded(k)], compressed[padded(k)], comm=comm)
 
     def reduce(k: int) -> None:  # sum chunk k's parts of this rank, in rank order; gather
-        sent[k].wait()
+        _engine.wait(sent[k])
         sent[k] = None
         span = padded(k)
         block = (span.stop - span.start) // size
@@ -137,7 +136,7 @@ def _compressed_pipeline(buffer: torch.Tensor, dtype: torch.dtype, comm, size: i
 
     def unpack(k: int) -> None:
         at, stop = spans[k]
-        gathered[k].wait()
+        _engine.wait(gathered[k])
         gathered[k] = None
         flat[at:stop].copy_(compressed[at:stop])
 

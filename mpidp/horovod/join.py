@@ -1,7 +1,7 @@
 """``hvd.join()``: a rank out of data serves the others' collectives until every rank joins.
 
 The joined rank answers each control message of the global process set (see
-``requests``) with the matching collective: zeros to an allreduce or a
+``negotiation``) with the matching collective: zeros to an allreduce or a
 reducescatter (the identity of min, max or product to those), and the barrier.
 Its inputs live on the CPU, or on ``device`` if given. ``Average`` still
 divides by the size of the set, as Horovod does, so joined ranks count as
@@ -17,13 +17,13 @@ import torch
 from .. import _args
 from .. import comm as _comm
 from . import process_sets as _sets
-from . import requests as _requests
+from . import negotiation as _negotiation
 from .reductions import process_set_of
 from .scatter import launch_reducescatter
 
 __all__ = ["join"]
 
-_OPS = {code: op for op, code in _requests.OP_CODES.items()}
+_OPS = {code: op for op, code in _negotiation.OP_CODES.items()}
 
 
 def _identity(shape, dtype: torch.dtype, op: str, device) -> torch.Tensor:
@@ -35,17 +35,17 @@ def _identity(shape, dtype: torch.dtype, op: str, device) -> torch.Tensor:
     return torch.full(shape, info.max if op == "min" else info.min, dtype=dtype, device=device)
 
 
-def _serve(message: _requests.Descriptor, process_set, device) -> None:
+def _serve(message: _negotiation.Descriptor, process_set, device) -> None:
     comm = process_set.data
     kind = message.kind
-    if kind == _requests.ALLREDUCE and _OPS[message.op] != "adasum":  # Adasum: refused
+    if kind == _negotiation.ALLREDUCE and _OPS[message.op] != "adasum":  # Adasum: refused
         _comm.iallreduce(_identity(message.shape, message.dtype, _OPS[message.op], device),
                          _OPS[message.op], comm=comm).wait()
-    elif kind == _requests.REDUCESCATTER:
+    elif kind == _negotiation.REDUCESCATTER:
         zeros = torch.zeros(message.shape, dtype=message.dtype, device=device)
         for handle in launch_reducescatter(zeros, message.shape[0], process_set)[0]:
             handle.wait()
-    elif kind == _requests.BARRIER:
+    elif kind == _negotiation.BARRIER:
         _comm.ibarrier(comm=comm).wait()
     # else the active ranks raise (requests.REFUSED_IN_JOIN) and start nothing
 
@@ -69,18 +69,18 @@ def join(device: int = -1) -> int:
     first = True
     while True:
         with process_set.lock:
-            control = _requests.Control(process_set, _requests.control_message(
-                process_set, _requests.JOIN, joined=True, new=first))
+            control = _negotiation.Control(process_set, _negotiation.control_message(
+                process_set, _negotiation.JOIN, joined=True, new=first), _negotiation.JOIN)
         first = False
-        message = control.wait("join")
+        message = control.message()
         if not message.active and not message.waiting:
             return max(message.new)
         if message.problem:  # a rank's arguments failed: the active ranks raise, this one waits
-            _requests.dispute(process_set, message.kind, None)
+            _negotiation.dispute(process_set, message.kind, None)
             continue
         if message.exchange:  # the calls differ, or a rank waits for a name (names.py)
             with process_set.lock:
-                verdict = _requests.exchange(process_set, message, message.kind, joined=True)
+                verdict = _negotiation.exchange(process_set, message, message.kind, joined=True)
             if not verdict.agreed:
                 continue
         _serve(message, process_set, where)

@@ -370,8 +370,8 @@ class Operations:
         tensor = _one(tensors, what)
         moved = _as_moved(tensor)
         self._check_usable()
-        handle, receive = _comm._irecv(moved, src, tag, self._pool)
-        work = self._work([handle], [tensor], ordered=False, source=receive)
+        handle, status = _comm._irecv(moved, src, tag, self._pool)
+        work = self._work([handle], [tensor], ordered=False, source=status)
         if self._async:  # else wait() or is_completed() on the program's thread completes it
             _progress.add(work)
         return work

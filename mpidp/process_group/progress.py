@@ -1,8 +1,10 @@
 """The backend's progress thread, and the rules every Work of the backend follows.
 
-One thread per process tests the pending requests of the torch.distributed
-backend ``"mpidp"``, starts the next chunk of a chunked all_reduce
-(``mpidp.process_group.chunks``) and completes Works (``mpidp.process_group.work``) and their futures.
+One thread per process tests the pending operations of the torch.distributed
+backend ``"mpidp"`` through the engine's driver (``mpidp.comm.progress``), which starts
+the next chunk of a chunked all_reduce (``mpidp.process_group.chunks``), and completes
+Works (``mpidp.process_group.work``) and their futures. This module decides only who
+tests and when: the engine tests, and paces every wait with its one back-off.
 
 The rules that make every rank issue the same operations in the same order on
 each communicator, and keep every rank from waiting on something only a blocked
@@ -28,19 +30,20 @@ import threading
 import time
 from .. import exits as _exits
 from .. import watchdog as _watchdog
-from ..comm import handle as _handle
+from ..comm import progress as _engine
 
 
 __all__ = ["progress"]
 
 
 class _Progress:
-    """The progress thread (rule 3): tests requests, starts chunks, completes Works.
+    """The progress thread (rule 3): tests operations, starts chunks, completes Works.
 
-    It polls with ``MPI_Test`` (a thread blocked in ``MPI_Wait`` could not see
-    requests started after it began waiting): without sleeping for
-    ``spin_seconds`` after a request arrives or completes, then sleeping from
-    20 us doubling up to ``_MAX_SLEEP``; a new request wakes it at once.
+    It tests (a thread blocked in ``MPI_Wait`` could not see requests started after it
+    began waiting), paced by the engine's back-off (``mpidp.comm.progress.Backoff``) with
+    no back-to-back spin (the program's threads need the GIL): the core yielded between
+    rounds for ``spin_seconds`` after an operation arrives or completes, then sleeps from
+    20 us doubling up to ``_MAX_SLEEP``; a new operation wakes it at once.
     """
 
     _MAX_SLEEP = 500e-6
@@ -142,6 +145,7 @@ class _Progress:
         Futures of other Works finished meanwhile are set later by the progress
         loop, so callbacks never nest.
         """
+        backoff = _engine.Backoff(spin=0.0)
         while work._state != "done":
             with self._cv:
                 self._later.extend(self._test())
@@ -150,33 +154,40 @@ class _Progress:
             if deadline is not None and time.monotonic() > deadline:
                 self.expire(work)
                 break
-            time.sleep(0)
+            backoff.pause()
         work._complete_future()
 
-    def drive_request(self, request) -> None:
-        """Complete an MPI request on this thread while progressing everything else.
+    def drive_until(self, done) -> None:
+        """Progress everything on this thread until ``done()`` (an engine test) is true.
 
-        What a blocking step of an mpidp.comm call becomes on this thread (rule 3),
-        through ``mpidp.comm.handle.set_driver``. Never called from inside ``_test``
-        (chunks start without such steps), so it does not nest.
+        What a wait of the engine becomes on this thread (rule 3): a blocking step of an
+        mpidp.comm call, a wait on an operation, through ``mpidp.comm.progress.set_driver``.
+        Never called from inside ``_test`` (chunks start without such steps), so it does
+        not nest.
         """
-        while not request.Test():
+        backoff = _engine.Backoff(spin=0.0)
+        while not done():
             with self._cv:
                 self._later.extend(self._test())
-            time.sleep(0)
+            backoff.pause()
 
     def _start(self) -> None:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mpidp-progress", daemon=True)
         self._thread.start()
-        _handle.set_driver(self._thread.ident, self.drive_request)
+        _engine.set_driver(self._thread.ident, self.drive_until)
 
     def _pending(self) -> bool:
         return bool(self._loose) or any(self._queues.values()) or bool(self._later)
 
+    def _nap(self, seconds: float) -> None:
+        with self._cv:
+            self._cv.wait(seconds)
+
     def _run(self) -> None:
         slot = _watchdog.slot()
-        sleep, busy_since = 0.0, time.monotonic()
+        backoff = _engine.Backoff(spin=0.0, yield_for=self.spin_seconds,
+                                  max_sleep=self._MAX_SLEEP, sleep=self._nap)
         while True:
             with self._cv:
                 while not self._pending() and not self._stopping:
@@ -191,15 +202,9 @@ class _Progress:
                 slot.current = self._oldest()
             for work in done:  # outside the lock: callbacks may issue collectives
                 work._complete_future()
-            now = time.monotonic()
             if done or added:
-                busy_since, sleep = now, 0.0
-            if now - busy_since < self.spin_seconds:
-                time.sleep(0)  # lets the program's threads take the GIL
-                continue
-            sleep = min(max(2 * sleep, 20e-6), self._MAX_SLEEP)
-            with self._cv:
-                self._cv.wait(sleep)
+                backoff.reset()
+            backoff.pause()
 
     def _test(self) -> list:
         """Works done now (under the lock). Past its deadline, a Work fails."""
@@ -267,7 +272,7 @@ class _Progress:
     def forget_thread(self) -> None:
         """No progress thread any more (stopped, or this is a forked child)."""
         self._thread = None
-        _handle.set_driver(None, None)  # a later thread may be given the same id
+        _engine.set_driver(None, None)  # a later thread may be given the same id
 
 
 progress = _Progress()

@@ -1,10 +1,12 @@
-"""The torch.distributed backend's Works: pending operations, their futures, waiting on them.
+"""The torch.distributed backend's Works: pending operations as torch sees them, and their futures.
 
-A ``Work`` is what an asynchronous call of the backend ``"mpidp"`` returns: the started
-requests (or a chunked all_reduce, ``mpidp.process_group.chunks``) and the tensors torch gets.
-The progress thread (``mpidp.process_group.progress``) completes it, or a thread that waits on
-its own requests does; ``Done`` completed before it was returned, ``All`` is several as one.
-Rules cited by number ("rule 4") are docs/concurrency.md's.
+A ``Work`` is what an asynchronous call of the backend ``"mpidp"`` returns: the engine's
+operations it started (``mpidp.comm.operation``: the call's own, its call check, or a
+chunked all_reduce, ``mpidp.process_group.chunks``) and the tensors torch gets. It decides
+who completes them and when: the progress thread (``mpidp.process_group.progress``), or a
+thread that waits on its own; ``mpidp.comm.progress`` completes them. ``Done`` completed
+before it was returned, ``All`` is several as one. Rules cited by number ("rule 4") are
+docs/concurrency.md's.
 """
 
 from __future__ import annotations
@@ -13,23 +15,18 @@ import datetime
 import threading
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
-from .. import comm as _comm
-from .. import errors as _errors
-from .. import recorder as _recorder
-from ..comm import checks as _checks
-from ..comm import handle as _handle
+from ..comm import progress as _engine
 from .. import watchdog as _watchdog
+from .call_check import CallCheck, CallMismatch
 from .chunks import Chunks
 from .progress import progress
 
-__all__ = ["All", "CallCheck", "CallMismatch", "Done", "Work", "abandon", "blocking",
-           "checked_wait", "new_future", "wait_request"]
-# work.Chunks and work.progress still name what they named before chunks.py and progress.py
+__all__ = ["All", "Done", "Work", "abandon", "blocking", "checked_wait", "new_future"]
+# work.Chunks, work.progress, work.CallCheck and work.CallMismatch still name what they
+# named before chunks.py, progress.py and call_check.py
 
 
 def new_future(result) -> torch.futures.Future:
@@ -50,65 +47,6 @@ def _devices(result) -> list:
                   key=str)
 
 
-class CallMismatch(ValueError):
-    """Ranks made a collective call that differs (raised alike on every rank)."""
-
-
-class CallCheck:
-    """The fingerprint of an operation, allreduced with MAX beside it (mpidp.comm.checks).
-
-    Started on the calling thread right after the operation, on the same pool, so every
-    rank starts both in the same order; an operation that raised on this rank before it
-    started (its arguments) took no pool member and starts no check. It completes as
-    soon as every rank has started it, whatever the operation does, so a Work tests it
-    first. Then ``error()`` is the same on every rank: None, or the ValueError that
-    names what differs. An Iallreduce of a numpy buffer (``mpidp.comm.handle.issue``), tested
-    with the operation's requests in one ``MPI_Testall`` (``checked_wait``); its cost is in
-    bench/check_cost.py (MPIDP_CHECK_CALLS=0 drops it). ``spoils(what)``: the group's, where
-    the operation started beside the check (it spoils the group's communicators on a mismatch).
-    """
-
-    _LABEL = "allreduce of 10 int64, the call check of a torch.distributed operation"
-    _scope = None  # what the watchdog names it under: the operation's own label says it all
-
-    def __init__(self, call: str, tensor: torch.Tensor, op: str | None, root: int, pool,
-                 spoils=None):
-        self.call = call
-        self._spoils = spoils  # told what differs where the operation started beside the check
-        self._own = _checks._fingerprint_bytes(call, tensor.numel(), tensor.dtype, op, root)
-        self.reduced = np.frombuffer(bytearray(self._own), np.int64)
-        self._label = (call + " (its call check)", tensor)  # formatted only in a report
-        comm = _comm._collective_comm(pool)
-        self._ticket = _recorder.started(comm, "call check", 10, "int64", (), call)
-        self._request = _handle.issue(comm, "Allreduce",
-                                      (MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX),
-                                      self._label)
-
-    @property
-    def handle(self) -> "CallCheck":
-        """What a Work tests and waits on like an ``mpidp.comm.Handle``: the check itself
-        (a Handle costs a microsecond more per call, on every call)."""
-        return self
-
-    def is_completed(self) -> bool:
-        try:
-            done = self._request.Test()
-        except MPI.Exception as error:
-            raise _errors.mpi_failure(self._LABEL, error) from error
-        return done and _recorder.ended(self._ticket) is None
-
-    def wait(self) -> np.ndarray:
-        _handle.wait_request(self._request, self._label, waiting=True)
-        _recorder.ended(self._ticket)
-        return self.reduced
-
-    def error(self) -> CallMismatch | None:
-        problem = _checks.fingerprint_problem(self.reduced, self._own)
-        if problem is not None and self._spoils is not None:
-            self._spoils(f"{self.call}: {problem}")
-        return None if problem is None else CallMismatch(f"{self.call}: {problem}")
-
-
 def abandon(kept: list) -> None:
     """Keep what MPI may still write into referenced for good (a failed Work's requests)."""
     if kept:  # list.append is atomic: callable with progress.lock held (from _test) or not
@@ -119,17 +57,18 @@ def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> No
     """Wait on ``handles`` in order; once ``check``'s request (the first) is done, raise its
     error, the others' requests abandoned with ``result`` (a mismatched call may never end).
 
-    Most calls end within microseconds: a spin of ``MPI_Testall`` over the raw requests finds
-    that (bench/check_cost.py). Testall completes all or none, so what is still pending after
-    the spin goes the ordered way, check first.
+    Most calls end within microseconds: testing all the operations at once (one
+    ``MPI_Testall``, ``mpidp.comm.progress.test_all``) back to back for the back-off's spin
+    finds that (bench/check_cost.py). Testall completes all or none, so what is still
+    pending after the spin goes the ordered way, check first.
     """
-    if len(handles) > 1 and _all_done_soon(handles):
+    if len(handles) > 1 and _engine.test_all(handles, within=_engine.SPIN_SECONDS):
         error = check.error() if check is not None else None
         if error is not None:  # every request is done: none is left to abandon
             raise error
         return
     for index, handle in enumerate(handles):
-        wait_request(handle, deadline)
+        _engine.wait(handle, deadline=deadline)
         if check is not None and handle is check.handle:
             error = check.error()
             if error is not None:
@@ -137,36 +76,16 @@ def checked_wait(handles: list, check: CallCheck | None, deadline, result) -> No
                 raise error
 
 
-_FAST_SPIN_SECONDS = 200e-6  # longer waits go request by request (watchdog, deadline)
-
-
-def _all_done_soon(handles: list) -> bool:
-    """Spin ``MPI_Testall`` on the handles' requests briefly; True when all are done (and settled)."""
-    requests = [handle._request for handle in handles]
-    if any(request is None for request in requests):
-        return False
-    until = time.perf_counter() + _FAST_SPIN_SECONDS
-    try:
-        while not MPI.Request.Testall(requests):
-            if time.perf_counter() > until:
-                return False
-    except MPI.Exception:
-        return False  # the ordered way tests each one and names the one that failed
-    for handle in handles:
-        handle.is_completed()  # a freed request tests done at once: runs its finish
-    return True
-
-
 class Work(dist.Work):
-    """A pending collective or message: mpidp.comm handles (or Chunks), the tensors torch gets.
+    """A pending collective or message: engine operations (or Chunks), the tensors torch gets.
 
     Args:
-        handles: started requests, completed in order.
+        handles: started operations (``mpidp.comm.operation``), completed in order.
         result: what ``result()`` and the future give.
         finish: run once the requests are done (copies back, divisions).
         group: the group that issued it (its name, timeout and order).
         ordered: completes in the group's order (collectives); False for messages.
-        source: a receive whose status names the sender.
+        source: a receive's ``MPI.Status``, which names the sender.
         chunks: a chunked all_reduce, driven by the progress thread.
         label: what it is, for stall reports and errors (see ``mpidp.watchdog``).
         deadline: ``time.monotonic()`` after which it fails (the group's timeout).
@@ -205,11 +124,11 @@ class Work(dist.Work):
         """Advance without blocking; True once done (under progress.lock)."""
         try:
             if self._chunks is not None:
-                if not self._chunks.advance():
+                if not _engine.test(self._chunks):
                     return False
             else:
                 while self._handles:
-                    if not self._handles[0].is_completed():
+                    if not _engine.test(self._handles[0]):
                         return False
                     self._verify(self._handles.pop(0))
             if self._finish is not None:
@@ -310,7 +229,7 @@ class Work(dist.Work):
         """Wait on this Work's own requests on this thread (rule 4)."""
         try:
             while self._handles:
-                wait_request(self._handles[0], deadline)
+                _engine.wait(self._handles[0], deadline=deadline)
                 self._verify(self._handles.pop(0))
             if self._finish is not None:
                 self._finish()
@@ -387,39 +306,9 @@ class Work(dist.Work):
     def source_rank(self) -> int:
         if self._source is None:
             raise ValueError("source_rank() is only available for a receive from any source")
-        return self._source.status.Get_source()
+        return self._source.Get_source()
 
     _source_rank = source_rank
-
-
-_SPIN_SECONDS = 0.05  # a wait tests without sleeping this long, then backs off to 1 ms
-
-
-def wait_request(handle: _comm.Handle, deadline: float | None) -> None:
-    """``handle.wait()``, or raise TimeoutError at ``deadline``.
-
-    MPI has no timed wait, so this tests the request: without sleeping for
-    ``_SPIN_SECONDS`` (a nonblocking collective moves only inside MPI calls, and a
-    sleep between tests stalls it: docs/performance-comm.md, "Figures behind the code's choices"), then sleeping from 20 us doubling to
-    1 ms, so a rank that waits on a late peer does not hold a core.
-    """
-    if deadline is None:
-        handle.wait()
-        return
-    if handle.is_completed():
-        return
-    slot = _watchdog.begin(handle._label, handle._scope, True)
-    try:
-        spin_until, sleep = time.monotonic() + _SPIN_SECONDS, 0.0
-        while not handle.is_completed():
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError("the operation did not complete before its deadline")
-            if now > spin_until:
-                sleep = min(max(2 * sleep, 20e-6), 1e-3)
-                time.sleep(sleep)
-    finally:
-        slot.current = None
 
 
 class Done(dist.Work):
