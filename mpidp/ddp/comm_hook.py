@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from mpi4py import MPI
 
-from .. import _args
+from .. import _args, runtime
 from ..comm.agreement import decide
 from .reducer import Reducer
 
@@ -57,7 +57,7 @@ class CommHooks:
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         ddp = self._owner
         if ddp.reducer is None:
-            ddp._connect(MPI.COMM_WORLD, next(ddp.module.parameters()).device)
+            ddp._connect(runtime.world(), next(ddp.module.parameters()).device)
         reducer, problem = ddp.reducer, None
         if self.hook is not None:
             problem = "register_comm_hook can only be called once (as in torch)"

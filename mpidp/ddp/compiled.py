@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from .. import comm as _comm
+from ..comm import chunking as _chunking
 
 __all__ = ["grad_hook", "register"]
 
@@ -66,7 +67,7 @@ def _allreduce_(grad: torch.Tensor, key: int, index: int) -> None:
     if problem is not None:
         raise RuntimeError(f"mpidp.DistributedDataParallel under compiled autograd: {problem} "
                            f"(docs/ddp.md, \"Compiled autograd\")")
-    grad.div_(reducer._divisor)
+    _chunking.divide(grad, reducer._divisor)
     _comm.allreduce(grad, "sum", comm=reducer.control)
     sink = getattr(reducer, "sink", None)
     if sink is not None:  # ZeRO stage 2: this rank's pieces to its shards, no whole gradient

@@ -90,7 +90,7 @@ class Joiner:
                                "every rank the same number of batches (DistributedSampler with "
                                "drop_last=True)")
         if ddp.reducer is None:
-            ddp._connect(MPI.COMM_WORLD, next(ddp.module.parameters()).device)
+            ddp._connect(runtime.world(), next(ddp.module.parameters()).device)
         layers = [m for m in ddp.module.modules() if isinstance(m, syncbn.SyncBatchNorm)]
         if layers and runtime.thread_level() < MPI.THREAD_MULTIPLE:
             raise ValueError("join() with mpidp.SyncBatchNorm layers needs MPI_THREAD_MULTIPLE "
