@@ -61,7 +61,6 @@ from .. import comm as _comm
 from . import compiled as _compiled
 from . import outcome as _outcome
 from . import overlap as _overlap
-from . import packing as _packing
 from .. import preemption as _preemption
 from ..comm import shm as _shm
 from . import sparse as _sparse
@@ -348,25 +347,18 @@ class Reducer:
         bucket, k = slot
         view = bucket.views[k]
         grad = None if zero else self.params[index].grad
-        position = self.layout.position[id(bucket)]
-        each = bucket.packing == _packing.EACH  # else copied, then divided by the strategy
         with torch.no_grad():
             if bucket.solo:
                 self._prepare_solo(bucket, self.params[index], grad, arrived)
             elif grad is None:
                 view.zero_()
             elif grad.data_ptr() == view.data_ptr():
-                if each:
-                    _chunking.divide(view, self._scale)
-            elif each:
-                _chunking.divided(grad, self._scale, out=view)
+                _chunking.divide(view, self._scale)
             else:
-                step.copies[position].append((k, grad))
+                _chunking.divided(grad, self._scale, out=view)
+        position = self.layout.position[id(bucket)]
         step.pending[position] -= 1
         if step.pending[position] == 0:
-            if not bucket.solo:
-                _packing.pack(bucket, step.copies[position])
-                bucket.divisor = 1 if each else self._scale
             self._launch_ready(step)
 
     def _launch_ready(self, step: Step) -> None:
