@@ -7,11 +7,20 @@ has a check that it finds what it looks for in a file made for it.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import sys
 from pathlib import Path
 
-from mpidp import settings
-
 PACKAGE = Path(__file__).resolve().parent.parent / "mpidp"
+
+
+def _settings_module():
+    """mpidp/settings.py alone (it imports nothing of mpidp): no MPI start-up for a scan."""
+    spec = importlib.util.spec_from_file_location("_mpidp_settings", PACKAGE / "settings.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _sources() -> dict[str, ast.Module]:
@@ -71,7 +80,7 @@ def read_at_import(trees: dict[str, ast.Module]) -> dict[str, str]:
 
 def test_a_setting_read_at_import_is_declared_so():
     wrong = {name: module for name, module in read_at_import(_sources()).items()
-             if settings.SETTINGS[name].read != "import"}
+             if _settings_module().SETTINGS[name].read != "import"}
     assert not wrong, (f"read once at import but declared read at each use in mpidp/settings.py "
                        f"(read='use'): {wrong}; declare read='import', or read it where it is used")
 
@@ -85,3 +94,61 @@ def test_the_import_time_scan_sees_direct_and_indirect_reads():
              "b.py": ast.parse(f'from . import a as _a\nY = _a.reader()\n'
                                f'class K:\n    Z = [settings.get("{p}D")]\n')}
     assert read_at_import(trees) == {p + "A": "a.py", p + "C": "b.py", p + "D": "b.py"}
+
+
+# -- a tensor is divided by a rank count only through mpidp.comm.chunking ----------------------
+
+# Divisors that count ranks (or, in reproducible mode, micro-batches over the ranks).
+RANK_COUNTS = {"size", "world", "world_size", "divisor", "_divisor", "_scale", "count", "nranks"}
+# The home of the rule, and the listed exception that divides itself (chunking's docstring).
+DIVIDES_ITSELF = {"mpidp/comm/chunking.py": "the helpers",
+                  "mpidp/horovod/reductions.py": "Horovod's Average and postscale_factor"}
+
+
+def _divisor(call: ast.Call):
+    """The divisor of a tensor division (``t.div_(d)``, ``t.div(d)``, ``torch.div(t, d)``)."""
+    func = call.func
+    if not isinstance(func, ast.Attribute) or func.attr not in ("div", "div_", "true_divide",
+                                                                "true_divide_"):
+        return None
+    is_torch = isinstance(func.value, ast.Name) and func.value.id == "torch"
+    args = call.args[1:] if is_torch else call.args
+    return args[0] if args else None
+
+
+def _counts_ranks(node) -> bool:
+    if isinstance(node, ast.Call):  # comm.Get_size(), process_set.size()
+        return getattr(node.func, "attr", None) in ("Get_size", "size")
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+    return name in RANK_COUNTS
+
+
+def divisions_by_ranks(trees: dict[str, ast.Module]) -> list[str]:
+    """Each ``file:line`` that divides a tensor by a rank count outside ``DIVIDES_ITSELF``."""
+    found = []
+    for module, tree in trees.items():
+        if module in DIVIDES_ITSELF:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                divisor = _divisor(node)
+                if divisor is not None and _counts_ranks(divisor):
+                    found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_tensors_are_divided_by_rank_counts_through_chunking_alone():
+    found = divisions_by_ranks(_sources())
+    assert not found, ("divided by a rank count outside mpidp.comm.chunking's helpers (divide, "
+                       "divided, mean_of_sum): " + "; ".join(found) + ". Use them, or list the "
+                       "exception with its reason in chunking's docstring")
+
+
+def test_the_division_scan_sees_each_form():
+    tree = ast.parse("def f(t, out, comm, size, norm):\n"
+                     "    t.div_(size)\n"
+                     "    torch.div(t, self._scale, out=out)\n"
+                     "    t.div(comm.Get_size())\n"
+                     "    t.div_(norm)\n"            # not a rank count
+                     "    torch.div(size, 2)\n")     # divides the count itself
+    assert [line.split(":")[1] for line in divisions_by_ranks({"x.py": tree})] == ["2", "3", "4"]

@@ -222,7 +222,7 @@ class ReproducibleReducer(Reducer):
                 torch.add(incoming[0], incoming[1], out=result)
                 for row in incoming[2:]:
                     result.add_(row)
-            result.div_(count)
+            _chunking.mean_of_sum(result, count)  # after the sum: a listed exception
             if target is None:
                 _comm.allgather(bucket.buffer[start:stop], result, comm=pool)
 
