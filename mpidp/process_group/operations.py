@@ -21,7 +21,7 @@ from .. import cuda as _cuda
 from . import work as _work
 from .chunks import Chunks
 from ..comm import staging as _staging
-from ..comm.chunking import chunk_bytes
+from ..comm.chunking import DEFAULTS as _SIZES  # the backend takes no size arguments
 from .operands import (
     _as_moved, _check_dtypes, _check_same_sizes, _check_world_list, _detached, _flat, _one,
     _unpack,
@@ -72,7 +72,7 @@ class Operations:
         if tensor.is_sparse:
             return self._sparse_allreduce(opts, tensor)
         op = self._op(opts, tensor)
-        nbytes = chunk_bytes()
+        nbytes = _SIZES.chunk
         if tensor.nbytes <= nbytes:
             return self._run(opts, lambda nb: (_comm.iallreduce if nb else _comm.allreduce)(
                 tensor, op, comm=self._pool), [tensor], check=("allreduce", tensor, op, 0))

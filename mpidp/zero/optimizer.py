@@ -29,7 +29,6 @@ from .partner import Healing
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
-_MB = 1024 * 1024
 _LABEL = "ZeroRedundancyOptimizer.{}: error agreement"
 
 
@@ -109,7 +108,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 ddp = self._find_ddp()
                 base = ddp.control
                 chunk_mb = ddp._options["chunk_mb"]
-            chunk_bytes = _chunking.chunk_bytes(chunk_mb)
+            sizes = _chunking.Sizes.of(bucket_cap_mb=bucket_cap_mb, chunk_mb=chunk_mb)
             first = self._params()[0]
             self._sharded_keys = elementwise_keys(optimizer_class, defaults, first.dtype,
                                                   first.device)
@@ -118,7 +117,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # Every rank decides the same: a rank that raised alone would leave the
         # others in the collectives below.
         agree(base, error, _LABEL.format("__init__()"))
-        decide(base, self._signature(optimizer_class, stage, chunk_bytes), self._mismatch,
+        decide(base, self._signature(optimizer_class, stage, sizes.chunk), self._mismatch,
                "ZeroRedundancyOptimizer.__init__(): signatures (allgather)")
         # over the world in stage 1, a heal can rebuild it (mpidp.Healer, partner.py)
         self._over_world = stage == 1 and comm is None and process_group is None
@@ -129,9 +128,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
         self.stage = stage
         self.optimizer_class = optimizer_class
-        self._chunk_bytes = chunk_bytes
-        self._cap_bytes = int((_chunking.BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
-                              * _MB)
+        self._chunk_bytes = sizes.chunk
+        self._cap_bytes = sizes.bucket_cap  # every bucket, the first too: no small first one
         self._defaults = defaults
         params = self._params()
         self._index = {id(p): i for i, p in enumerate(params)}
