@@ -152,3 +152,51 @@ def test_the_division_scan_sees_each_form():
                      "    t.div_(norm)\n"            # not a rank count
                      "    torch.div(size, 2)\n")     # divides the count itself
     assert [line.split(":")[1] for line in divisions_by_ranks({"x.py": tree})] == ["2", "3", "4"]
+
+
+# -- a size in MiB becomes bytes in mpidp.comm.chunking alone (its Sizes and MB) ---------------
+
+def _is_mib(node) -> bool:
+    """``1 << 20``, ``2 ** 20``, ``1024 * 1024``, ``1048576`` or a name ``_MB``/``MB`` of its own."""
+    if isinstance(node, ast.Constant):
+        return node.value == 1 << 20
+    if isinstance(node, ast.Name):
+        return node.id in ("_MB", "MB")
+    if isinstance(node, ast.BinOp) and isinstance(node.left, ast.Constant) \
+            and isinstance(node.right, ast.Constant):
+        left, right = node.left.value, node.right.value
+        return ((isinstance(node.op, ast.LShift) and (left, right) == (1, 20))
+                or (isinstance(node.op, ast.Pow) and (left, right) == (2, 20))
+                or (isinstance(node.op, ast.Mult) and (left, right) == (1024, 1024)))
+    return False
+
+
+def mib_to_bytes(trees: dict[str, ast.Module]) -> list[str]:
+    """Each ``file:line`` outside chunking that multiplies by a MiB of its own or defines one
+    (dividing by one, to print a size, is no size rule)."""
+    found = []
+    for module, tree in trees.items():
+        if module == "mpidp/comm/chunking.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) \
+                    and (_is_mib(node.left) or _is_mib(node.right)) and not _is_mib(node):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Assign) and _is_mib(node.value):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_sizes_in_mib_become_bytes_in_chunking_alone():
+    found = mib_to_bytes(_sources())
+    assert not found, ("a MiB of its own: " + "; ".join(found) + ". Build the sizes with "
+                       "mpidp.comm.chunking.Sizes.of (or multiply by chunking.MB)")
+
+
+def test_the_mib_scan_sees_each_spelling():
+    tree = ast.parse("_MB = 1024 * 1024\n"
+                     "a = int(cap_mb * (1 << 20))\n"
+                     "b = mb * 2**20\n"
+                     "c = f'{size / 2**20:.1f} MiB'\n"      # printing a size
+                     "d = cap_mb * chunking.MB\n")          # chunking's own
+    assert sorted(int(line.split(":")[1]) for line in mib_to_bytes({"x.py": tree})) == [1, 2, 3]

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import mpidp
 from .. import cuda, rendezvous, runtime, settings, topology
-from ..comm import shm
+from ..comm import chunking, shm
 from ..comm.agreement import by_rank, watched_allgather
 from ..comm.handle import collective
 
@@ -188,7 +188,7 @@ def _shm_room(folder: str = "/dev/shm") -> tuple[str, int, int | None]:
 
 def check_shm(comm, context) -> Finding:
     facts = _gather(comm, _shm_room, "/dev/shm's free space")
-    gradients = int(context["gradients_mb"] * 2**20)
+    gradients = int(context["gradients_mb"] * chunking.MB)
     if settings.get("MPIDP_SHARED_MEMORY") is False:
         return Finding("shm", True, "shared-memory reduction turned off (MPIDP_SHARED_MEMORY=0)")
     if all(local_size == 1 for _, local_size, _ in facts):
