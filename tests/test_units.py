@@ -535,3 +535,19 @@ def test_profile_merge_gives_each_rank_its_process_and_a_gpu_its_lanes():
     assert lanes[by_name["Record Window End"]["tid"]] == "profiler"
     assert by_name["Record Window End"]["s"] == "p"  # the rank's own mark, not one across all
     assert [e["id"] for e in events if e["ph"] in "sf"] == [3 * 2 + 1, 3 * 2 + 1]
+
+
+def test_one_sizes_object_holds_every_size_in_bytes():
+    import dataclasses
+
+    from mpidp.comm import chunking
+
+    defaults = chunking.DEFAULTS
+    assert defaults == chunking.Sizes.of()
+    assert (defaults.bucket_cap, defaults.first_bucket, defaults.inplace) == (25 << 20, 1 << 20, 1 << 20)
+    assert defaults.chunk == chunking.chunk_bytes()  # MPIDP_CHUNK_MB as read at import
+    small = chunking.Sizes.of(bucket_cap_mb=0.5, chunk_mb=2, inplace_mb=None)
+    assert (small.bucket_cap, small.first_bucket, small.chunk, small.inplace) == \
+        (1 << 19, 1 << 19, 2 << 20, None)  # the first bucket is never larger than the cap
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        small.chunk = 1
