@@ -96,7 +96,8 @@ class Checkpointer:
         scaler: a ``torch.amp.GradScaler``.
         sampler: the ``mpidp.DistributedSampler`` whose position is kept.
         batch_size: the samples each rank takes from ``sampler`` per ``step()``
-            (required with ``sampler``).
+            (required with ``sampler``; with its micro-batches, its ``batch_size``:
+            the global batch is then theirs, at any number of ranks).
         extra: more objects with ``state_dict``/``load_state_dict``, by name (rank 0's).
         signals: the signals that ask for a stop (see ``mpidp.preemption.arm``);
             None or () arms none.
@@ -165,6 +166,10 @@ class Checkpointer:
             if not _args.is_int(batch_size) or batch_size < 1:
                 raise ValueError(f"batch_size must be the samples per rank per step (an "
                                  f"integer >= 1) when a sampler is given, got {batch_size!r}")
+            if sampler.micro_batches is not None and batch_size != sampler.batch_size:
+                raise ValueError(f"batch_size must be the sampler's batch_size "
+                                 f"({sampler.batch_size}: this rank's whole micro-batches of one "
+                                 f"global batch) with a sampler of micro-batches, got {batch_size}")
         if signals:
             preemption.signal_numbers(signals)
             if threading.current_thread() is not threading.main_thread():
@@ -269,10 +274,16 @@ class Checkpointer:
             return None
         epoch = self.sampler.epoch if self._epoch is None else self._epoch
         return {"epoch": epoch, "pass": max(self._pass - 1, 0),
-                "start": self._base + self._batches * self.batch_size * self.world,
-                "global_batch": self.batch_size * self.world, "seed": self.sampler.seed,
+                "start": self._base + self._batches * self._global_batch(),
+                "global_batch": self._global_batch(), "seed": self.sampler.seed,
                 "samples": len(self.sampler.dataset), "shuffle": self.sampler.shuffle,
                 "rewound": self.sampler.rewound}
+
+    def _global_batch(self) -> int:
+        """Samples per batch over all ranks: the sampler's micro-batches', or ``batch_size`` x ranks."""
+        if self.sampler.micro_batches is not None:
+            return self.sampler.global_batch
+        return self.batch_size * self.world
 
     # -- save ----------------------------------------------------------------------------
 
@@ -445,7 +456,13 @@ class Checkpointer:
                     f"epoch {position['epoch']}: a resume cannot tell which of its passes over "
                     f"that epoch it was. Give every epoch a number of its own that only grows "
                     f"(set_epoch(epoch), counted on)")
-            if position["global_batch"] != self.batch_size * self.world:
+            if position["global_batch"] != self._global_batch() and self.sampler.micro_batches:
+                raise ValueError(
+                    f"the checkpoint's global batch is {position['global_batch']} samples, the "
+                    f"sampler's {self.sampler.micro_batches} micro-batches of "
+                    f"{self.sampler.micro_batch_size} are {self._global_batch()}: keep the "
+                    f"global batch to go on with the same batches")
+            if position["global_batch"] != self._global_batch():
                 raise ValueError(
                     f"the checkpoint's global batch is {position['global_batch']} samples "
                     f"({position['global_batch'] // manifest['world']} per rank at "

@@ -10,7 +10,7 @@ from torch.utils.data.distributed import DistributedSampler as _TorchDistributed
 
 from . import _args, runtime
 
-__all__ = ["DistributedSampler"]
+__all__ = ["DistributedSampler", "micro_batch_counts"]
 
 
 class DistributedSampler(_TorchDistributedSampler):
@@ -57,13 +57,15 @@ class DistributedSampler(_TorchDistributedSampler):
     Micro-batches (``micro_batches`` and ``micro_batch_size``, for
     ``DistributedDataParallel(reproducible=True)``): every global batch of
     ``micro_batches * micro_batch_size`` samples is cut into ``micro_batches``
-    micro-batches, and rank ``r`` takes its whole ones, a contiguous run of
-    ``batch_size = micro_batches / num_replicas * micro_batch_size`` samples
-    (``micro_batches`` must divide by ``num_replicas``): the ``j``-th micro-batch
-    of its batch is the global batch's micro-batch ``r * micro_batches /
-    num_replicas + j``, whatever the rank count. The tail of an epoch that
-    makes no whole global batch is left out (``pad`` and ``drop_last`` change
-    nothing then), so the epochs too are the same at any rank count.
+    micro-batches, dealt to the ranks as evenly as they divide
+    (``micro_batch_counts``: the first ``micro_batches % num_replicas`` ranks
+    take one more), each rank a contiguous run of them in rank order, so that
+    rank order then batch order is micro-batch order. Rank ``r`` takes
+    ``batch_size = micro_batch_counts(...)[r] * micro_batch_size`` samples of
+    every global batch, which may differ by rank; ``num_replicas`` may be any
+    count up to ``micro_batches``. The tail of an epoch that makes no whole
+    global batch is left out (``pad`` and ``drop_last`` change nothing then),
+    so the epochs too are the same at any rank count.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None,
@@ -95,12 +97,10 @@ class DistributedSampler(_TorchDistributedSampler):
         micro_batches, size = self.micro_batches, self.micro_batch_size
         _args.check_int("micro_batches", micro_batches, minimum=1)
         _args.check_int("micro_batch_size", size, minimum=1)
-        if micro_batches % self.num_replicas:
-            raise ValueError(f"micro_batches must be a multiple of num_replicas="
-                             f"{self.num_replicas} (each rank takes as many whole "
-                             f"micro-batches), got {micro_batches}")
+        counts = micro_batch_counts(micro_batches, self.num_replicas)
         self.global_batch = micro_batches * size
-        self.batch_size = micro_batches // self.num_replicas * size
+        self.batch_size = counts[self.rank] * size
+        self._first = sum(counts[:self.rank]) * size  # where this rank's run begins
         self.total_size = len(self.dataset) // self.global_batch * self.global_batch
         self.num_samples = self.total_size // self.num_replicas
 
@@ -122,12 +122,15 @@ class DistributedSampler(_TorchDistributedSampler):
 
         Raises:
             ValueError: ``epoch``, ``start`` or ``passes`` negative, or ``start``
-                not a multiple of ``num_replicas`` (the ranks' shares would differ).
+                not a multiple of ``num_replicas`` (the ranks' shares would differ;
+                with micro-batches, not a multiple of the global batch).
         """
         if not _args.is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-        if not _args.is_int(start) or start < 0 or start % self.num_replicas:
-            raise ValueError(f"start must be a multiple of num_replicas={self.num_replicas} "
+        unit = ("num_replicas", self.num_replicas) if self.micro_batches is None else \
+            ("the global batch", self.global_batch)
+        if not _args.is_int(start) or start < 0 or start % unit[1]:
+            raise ValueError(f"start must be a multiple of {unit[0]}={unit[1]} "
                              f"and >= 0, got {start!r}")
         _args.check_int("passes", passes, minimum=0)
         self.epoch, self.passes, self._highest = epoch, 0, epoch
@@ -146,6 +149,31 @@ class DistributedSampler(_TorchDistributedSampler):
                       drop_last=self.drop_last, pad=self.pad, micro_batches=self.micro_batches,
                       micro_batch_size=self.micro_batch_size)
         self.epoch, self._highest, self.rewound = epoch, highest, rewound
+
+    def dealing_problem(self, num_replicas: int, global_batch: int) -> str | None:
+        """Why global batches of ``global_batch`` samples cannot be dealt to ``num_replicas``
+        ranks, or None (local; the same on every rank that holds the same sampler).
+
+        With micro-batches any count up to ``micro_batches`` can (``micro_batch_counts``);
+        without, the global batch must divide among the ranks.
+        """
+        if self.micro_batches is not None:
+            try:
+                micro_batch_counts(self.micro_batches, num_replicas)
+            except ValueError as error:
+                return str(error)
+            return None
+        if global_batch % num_replicas:
+            return f"the global batch of {global_batch} samples does not divide among " \
+                   f"{num_replicas} ranks"
+        return None
+
+    def share(self, global_batch: int) -> int:
+        """This rank's samples of every global batch of ``global_batch`` samples (local):
+        ``batch_size`` with micro-batches (then ``global_batch`` is theirs), else an even share."""
+        if self.micro_batches is not None:
+            return self.batch_size
+        return global_batch // self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, which seeds the shuffle (as torch's); its next pass begins at 0.
@@ -242,8 +270,28 @@ class DistributedSampler(_TorchDistributedSampler):
         return iter(self.global_order()[self.start + self.rank:self._global_size():self.num_replicas])
 
     def _micro_batch_order(self) -> list[int]:
-        order, share = self.global_order(), self.batch_size
+        order, low, high = self.global_order(), self._first, self._first + self.batch_size
         mine = []
         for first in range(self.start, self.total_size - self.global_batch + 1, self.global_batch):
-            mine += order[first + self.rank * share:first + (self.rank + 1) * share]
+            mine += order[first + low:first + high]
         return mine
+
+
+def micro_batch_counts(micro_batches: int, num_replicas: int) -> list[int]:
+    """How many of a global batch's micro-batches each rank takes: as evenly as they divide.
+
+    Rank ``r`` takes ``micro_batches // num_replicas`` of them, one more if
+    ``r < micro_batches % num_replicas`` (6 to 4 ranks: 2, 2, 1, 1), a contiguous
+    run in rank order. The one rule of the dealing: ``DistributedSampler`` deals
+    by it and ``DistributedDataParallel(reproducible=True)`` checks every step's
+    counts against it.
+
+    Raises:
+        ValueError: ``num_replicas`` above ``micro_batches`` (a rank would take none).
+    """
+    if num_replicas > micro_batches:
+        raise ValueError(f"micro_batches must be at least the number of ranks (each rank takes "
+                         f"whole micro-batches, at least one), got micro_batches={micro_batches} "
+                         f"for num_replicas={num_replicas}")
+    whole, more = divmod(micro_batches, num_replicas)
+    return [whole + (rank < more) for rank in range(num_replicas)]

@@ -1,5 +1,7 @@
 """mpidp.DistributedSampler: torch's, plus pad=False (each sample exactly once)."""
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -181,3 +183,49 @@ def test_resize_then_resume_deals_the_rest_of_the_epoch_to_fewer_ranks(before, a
     dealt = [list(s) for s in samplers]
     assert sorted(sum(dealt, [])) == sorted(order[36:])
     assert [dealt[i % after][i // after] for i in range(60)] == order[36:]
+
+
+@pytest.mark.parametrize("before, after", [(4, 5), (2, 4), (4, 3), (6, 1)])
+def test_micro_batches_resumed_or_resized_at_a_count_that_does_not_divide_them(before, after):
+    """6 micro-batches of 4 (a global batch of 24) at any count up to 6: the first ranks take
+    one more (5 ranks: 2, 1, 1, 1, 1), and rank order then batch order is the global order."""
+    dataset = TensorDataset(torch.arange(100))
+
+    def samplers(size):
+        return [mpidp.DistributedSampler(dataset, num_replicas=size, rank=r, seed=7,
+                                         micro_batches=6, micro_batch_size=4) for r in range(size)]
+
+    ran = samplers(before)
+    for sampler in ran:
+        sampler.set_epoch(1)
+    order = ran[0].global_order()
+    resized = ran[:after] if after <= before else samplers(after)
+    for rank, sampler in enumerate(resized):
+        sampler.resize(after, rank)
+        assert sampler.dealing_problem(after, 24) is None
+        sampler.resume_from(1, 48)  # two global batches taken before the stop; 96 in the epoch
+        assert sampler.share(24) == sampler.batch_size == 4 * mpidp.sampler.micro_batch_counts(
+            6, after)[rank]
+        assert len(sampler) == 2 * sampler.batch_size
+    dealt = [list(s) for s in resized]
+    sizes = [s.batch_size for s in resized]
+    assert [i for step in range(2) for share, size in zip(dealt, sizes)
+            for i in share[step * size:(step + 1) * size]] == order[48:96]
+    assert mpidp.sampler.micro_batch_counts(6, 5) == [2, 1, 1, 1, 1]
+
+
+def test_more_ranks_than_micro_batches_or_a_start_inside_a_global_batch_is_refused():
+    rule = r"micro_batches must be at least the number of ranks .*micro_batches=6 for num_replicas=7"
+    with pytest.raises(ValueError, match=rule):
+        mpidp.DistributedSampler(range(48), num_replicas=7, rank=0, micro_batches=6,
+                                 micro_batch_size=4)
+    sampler = mpidp.DistributedSampler(range(48), num_replicas=4, rank=0, micro_batches=6,
+                                       micro_batch_size=4)
+    assert re.match(rule, sampler.dealing_problem(7, 24))
+    with pytest.raises(ValueError, match=r"start must be a multiple of the global batch=24 "
+                                         r"and >= 0, got 12"):
+        sampler.resume_from(0, 12)
+    plain = mpidp.DistributedSampler(range(48), num_replicas=4, rank=0)
+    assert plain.dealing_problem(3, 24) is None and plain.share(24) == 6
+    assert plain.dealing_problem(5, 24) == "the global batch of 24 samples does not divide " \
+                                          "among 5 ranks"

@@ -6,19 +6,23 @@ over its share of the batch. In reproducible mode
 (``DistributedDataParallel(model, reproducible=True)``) nothing is summed in an
 order that depends on the rank count:
 
-- the global batch is cut into ``M`` fixed micro-batches, and rank ``r`` runs
-  the ``k = M / world`` micro-batches ``r*k .. r*k + k - 1`` (the sampler deals
+- the global batch is cut into ``M`` fixed micro-batches, dealt to the ranks
+  as evenly as they divide (``mpidp.sampler.micro_batch_counts``: rank ``r``
+  runs ``k_r`` of them, a contiguous run in rank order; the sampler deals
   them: ``mpidp.DistributedSampler(micro_batches=, micro_batch_size=)``), one
-  forward and backward each, the first ``k - 1`` under ``no_sync()``;
-- each micro-batch's gradient is kept apart, in its own row of a ``[k, n]``
+  forward and backward each, the first ``k_r - 1`` under ``no_sync()``;
+- each micro-batch's gradient is kept apart, in its own row of a ``[k_r, n]``
   store per bucket (``.grad`` is released after each micro-batch, so nothing
   is accumulated in float);
-- at the synced backward each bucket's rows are exchanged by an alltoall, chunk
-  by chunk, so that each rank receives, for its block of every chunk (the
-  ``mpidp.ddp.buckets.Shards`` layout), all ``M`` micro-batches' values in
-  micro-batch order; it adds them left to right, starting from micro-batch 0,
-  and divides by ``M``: the operations one process would do, element by
-  element, whatever the rank count;
+- the synced forward gathers every rank's ``k_r`` (and checks them against the
+  dealing), so that every rank knows the splits of the exchange;
+- at the synced backward each bucket's rows are exchanged by an alltoall (with
+  splits where the ``k_r`` differ), chunk by chunk, so that each rank
+  receives, for its block of every chunk (the ``mpidp.ddp.buckets.Shards``
+  layout), all ``M`` micro-batches' values in micro-batch order; it adds them
+  left to right, starting from micro-batch 0, and divides by ``M``: the
+  operations one process would do, element by element, whatever the rank
+  count;
 - an allgather of the blocks leaves the average in every rank's bucket (or,
   with a stage-2 ``ZeroRedundancyOptimizer``, each block goes to its owner's
   gradient shard and there is no allgather).
@@ -30,12 +34,14 @@ themselves be deterministic (torch's ``use_deterministic_algorithms`` on GPUs).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import comm as _comm
 from . import outcome as _outcome
 from ..comm import agreement as _agreement
 from ..comm import chunking as _chunking
+from ..sampler import micro_batch_counts
 from .buckets import Bucket, Shards
 from .reducer import Reducer
 from .sharded import ShardedReducer
@@ -64,6 +70,7 @@ class ReproducibleReducer(Reducer):
         self._training = training
         self._rows = 1  # micro-batches per rank the stores hold (they grow)
         self._row = 0  # the micro-batch this rank runs next in the step
+        self._counts: list[int] = []  # every rank's micro-batches in the step, agreed
         self._local: Step | None = None  # the step of a micro-batch inside no_sync
         self._local_failed = False
         self._stash: dict[int, torch.Tensor] = {}  # .grad found before a micro-batch
@@ -93,9 +100,10 @@ class ReproducibleReducer(Reducer):
     def prepare(self, outputs, sync: bool) -> None:
         """Arm the capture of one micro-batch's gradients; the synced one ends the step.
 
-        The synced forward first agrees across ranks (one small allreduce) that
-        every rank ran the same number of micro-batches and none failed, or
-        raises the same ``ValueError`` on every rank.
+        The synced forward first gathers every rank's count of micro-batches and
+        whether one failed (one small allgather): the counts must be the
+        dealing of their sum (``micro_batch_counts``) and none may have failed,
+        or every rank raises the same ``ValueError``.
         """
         self.settle()
         if not self._training():  # evaluation with grad enabled (may run on one rank alone)
@@ -121,20 +129,15 @@ class ReproducibleReducer(Reducer):
 
     def _check_step(self) -> None:
         failed, self._local_failed = self._local_failed, False
-        rows = self._row + 1
+        row = np.array([self._row + 1, int(failed)], dtype=np.int64)
         try:
-            _agreement.agree_facts(
-                self.control, [rows], failed,
-                lambda: f"ran {rows} micro-batch(es)" + (", one of whose backward raised"
-                                                          if failed else ""),
-                "DistributedDataParallel(reproducible=True): every rank must run the same "
-                "number of micro-batches per step (the first ones under no_sync(), the last "
-                "one outside it), and none may fail; this step:",
-                "DDP(reproducible=True): the micro-batches of the step")
+            table = _agreement.decide_rows(self.control, row, _judge_step,
+                                           "DDP(reproducible=True): the micro-batches of the step")
         except ValueError:
             self._row = 0
             self._stash.clear()
             raise
+        self._counts = table[:, 0].tolist()
 
     def _on_output_grad(self, step: Step, grad) -> None:
         self._take_aside(step)
@@ -202,7 +205,8 @@ class ReproducibleReducer(Reducer):
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Sum the bucket's micro-batches in order, each rank for its block of every chunk."""
         rows, world, rank = self._row + 1, self.world, self.control.Get_rank()
-        count = rows * world
+        counts = self._counts  # every rank's rows, from the step's agreed table
+        count, even = sum(counts), counts.count(rows) == world
         store = bucket.store[:rows]
         target = self.sink.grad_target(self.layout.position[id(bucket)]) if self.sink else None
         pool = self.strategy.pool
@@ -214,7 +218,11 @@ class ReproducibleReducer(Reducer):
             if rows > 1:
                 outgoing = self._scratch(1, outgoing.shape, store).copy_(outgoing)
             incoming = self._scratch(0, (count, block), store)
-            _comm.alltoall(incoming, outgoing, comm=pool)
+            if even:
+                _comm.alltoall(incoming, outgoing, comm=pool)
+            else:  # rank p's counts[p] rows of each block, in rank order: micro-batch order
+                _comm.alltoall(incoming, outgoing.reshape(world * rows, block), counts,
+                               [rows] * world, comm=pool, check_splits=False)
             result = bucket.buffer[low:high] if target is None else target[position:position + block]
             if count == 1:
                 result.copy_(incoming[0])
@@ -253,3 +261,17 @@ class ReproducibleReducer(Reducer):
             else:
                 param.grad.add_(earlier)  # onto the average, as torch accumulates
 
+
+def _judge_step(table: np.ndarray) -> ValueError | None:
+    """The step's check, on every rank alike: rows of each rank's micro-batches and failure."""
+    counts, failed = table[:, 0].tolist(), table[:, 1].tolist()
+    dealt = micro_batch_counts(sum(counts), len(counts))  # every count is at least 1
+    if counts == dealt and not any(failed):
+        return None
+    ran = [f"ran {n} micro-batch(es)" + (", one of whose backward raised" if bad else "")
+           for n, bad in zip(counts, failed)]
+    return ValueError(
+        f"DistributedDataParallel(reproducible=True): every rank must run its micro-batches of "
+        f"the step as the sampler deals them, as evenly as they divide, the first ranks one "
+        f"more ({sum(counts)} to {len(counts)} ranks: {dealt}; the first ones under no_sync(), "
+        f"the last one outside it), and none may fail; this step: {_agreement.by_rank(ran)}")

@@ -23,6 +23,8 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 # examples/train_preemptible.py's contract, launched by tests/test_preemption.py
 MICRO_BATCHES, MICRO_SIZE, STEPS = 2 * SIZE, 2, 2
 OPTIMIZERS = ("plain", "zero1", "zero2")
+# dealt unevenly from 2 ranks on: the first rank two micro-batches, the others one
+UNEVEN = pytest.mark.skipif(SIZE == 1, reason="one rank takes every micro-batch")
 
 
 def _loader(comm, dtype, micro_batches=MICRO_BATCHES):
@@ -60,13 +62,13 @@ def _micro_steps(ddp, x, y) -> list[float]:
     return losses
 
 
-def _train(comm, dtype, kind, zero_grad=True) -> list[str]:
+def _train(comm, dtype, kind, zero_grad=True, micro_batches=MICRO_BATCHES) -> list[str]:
     """The losses of each step as printed (repr), then the final parameters' bytes."""
     model = _model(dtype)
     ddp = mpidp.DistributedDataParallel(model, comm=comm, reproducible=True)
     optimizer = _optimizer(ddp, comm, kind)
     printed = []
-    for x, y in itertools.islice(_loader(comm, dtype), STEPS):
+    for x, y in itertools.islice(_loader(comm, dtype, micro_batches), STEPS):
         if zero_grad:
             optimizer.zero_grad()
         losses = _micro_steps(ddp, x, y)
@@ -82,6 +84,14 @@ def _train(comm, dtype, kind, zero_grad=True) -> list[str]:
 def test_every_step_is_the_one_process_run_bit_for_bit(dtype, kind):
     alone = _train(MPI.COMM_SELF, dtype, kind)
     assert _train(MPI.COMM_WORLD, dtype, kind) == alone
+
+
+@UNEVEN
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_micro_batches_dealt_unevenly_give_the_one_process_run_bit_for_bit(dtype, kind):
+    alone = _train(MPI.COMM_SELF, dtype, kind, micro_batches=SIZE + 1)
+    assert _train(MPI.COMM_WORLD, dtype, kind, micro_batches=SIZE + 1) == alone
 
 
 def test_gradients_left_from_the_step_before_are_added_as_torch_accumulates():
@@ -136,7 +146,8 @@ def test_another_number_of_micro_batches_on_one_rank_raises_on_every_rank():
     with ddp.no_sync():
         for _ in range(1 if RANK == SIZE - 1 else 0):  # the last rank runs one micro-batch more
             F.mse_loss(ddp(x[:MICRO_SIZE]), y[:MICRO_SIZE]).backward()
-    with pytest.raises(ValueError, match=rf"the same number of micro-batches.*rank {SIZE - 1}: "
+    with pytest.raises(ValueError, match=rf"as the sampler deals them.*\({MICRO_BATCHES + 1} "
+                                         rf"to {SIZE} ranks: .*rank {SIZE - 1}: "
                                          rf"ran {MICRO_BATCHES // SIZE + 1} micro-batch\(es\)"):
         _micro_steps(ddp, x, y)
     ddp.module.zero_grad()
@@ -145,17 +156,23 @@ def test_another_number_of_micro_batches_on_one_rank_raises_on_every_rank():
     ddp.close()
 
 
-def test_the_sampler_deals_whole_micro_batches_in_order():
+@pytest.mark.parametrize("micro_batches", [12, 2 * SIZE + 1])
+def test_the_sampler_deals_whole_micro_batches_in_order(micro_batches):
     dataset = list(range(50))
-    shares = [list(mpidp.DistributedSampler(dataset, SIZE, rank, shuffle=False,
-                                            micro_batches=12, micro_batch_size=2))
-              for rank in range(SIZE)]
-    # two whole global batches of 24; the tail of 2 samples is left out at any size
-    assert [i for step in range(2) for share in shares
-            for i in share[step * 24 // SIZE:(step + 1) * 24 // SIZE]] == list(range(48))
-    with pytest.raises(ValueError, match=r"micro_batches must be a multiple of num_replicas=5 "
-                                         r".*got 12"):
-        mpidp.DistributedSampler(dataset, 5, 0, micro_batches=12, micro_batch_size=2)
+    samplers = [mpidp.DistributedSampler(dataset, SIZE, rank, shuffle=False,
+                                         micro_batches=micro_batches, micro_batch_size=2)
+                for rank in range(SIZE)]
+    shares = [list(sampler) for sampler in samplers]
+    # whole global batches of 2 * micro_batches; the tail is left out at any size, and
+    # rank order then batch order is micro-batch order
+    sizes = [2 * (micro_batches // SIZE + (rank < micro_batches % SIZE)) for rank in range(SIZE)]
+    assert [sampler.batch_size for sampler in samplers] == sizes
+    steps = 50 // (2 * micro_batches)
+    assert [i for step in range(steps) for share, size in zip(shares, sizes)
+            for i in share[step * size:(step + 1) * size]] == list(range(steps * 2 * micro_batches))
+    with pytest.raises(ValueError, match=r"micro_batches must be at least the number of ranks "
+                                         r".*got micro_batches=12 for num_replicas=13"):
+        mpidp.DistributedSampler(dataset, 13, 0, micro_batches=12, micro_batch_size=2)
     with pytest.raises(ValueError, match=r"micro_batch_size must be an int >= 1, got None"):
         mpidp.DistributedSampler(dataset, 1, 0, micro_batches=12)
 
