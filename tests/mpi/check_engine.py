@@ -227,13 +227,19 @@ def test_a_call_that_differs_raises_on_every_rank_and_spoils_only_a_group_it_rea
     later = None
     with _differs(r"element count from \d+ to \d+") as caught:
         work = dist.all_reduce(tensor, group=group, async_op=async_op)
-        later = dist.all_reduce(torch.ones(3), group=group, async_op=True) if async_op else None
+        if async_op:
+            try:
+                later = dist.all_reduce(torch.ones(3), group=group, async_op=True)
+            except dist.DistBackendError as error:  # this rank's progress thread already
+                later = error  # found the mismatch and aborted the group (seen under load)
         work.wait()
     texts = MPI.COMM_WORLD.allgather(str(caught.value))
     assert texts.count(texts[0]) == SIZE, texts
     chunked = numel > 1000
     if later is not None:  # issued before the mismatch was known: fails, or completes, alike
         try:
+            if isinstance(later, BaseException):
+                raise later
             later.wait()
             outcome = "done"
         except dist.DistBackendError as error:
