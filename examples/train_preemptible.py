@@ -10,9 +10,9 @@ heal and go on at one rank fewer (docs/healing.md).
 
 Rank 0 prints ``step S loss L`` for every step, L the loss of the whole global
 batch in Python's ``repr``, so two runs can be compared line by line. With
-``--reproducible`` the strings are the same at any rank count that divides
-``--micro-batches`` (docs/reproducible.md): before and after a resume at another
-size, or a heal. The
+``--reproducible`` the strings are the same at any rank count up to
+``--micro-batches`` (docs/reproducible.md; 6 micro-batches at 4 ranks: 2, 2, 1, 1
+per rank): before and after a resume at another size, or a heal. The
 model and the data are small and synthetic; ``--pace`` slows each step down
 so that there is time to send a signal by hand.
 """
@@ -33,7 +33,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=24,
-                        help="samples per step over all ranks (a multiple of the rank count)")
+                        help="samples per step over all ranks (a multiple of the rank count, "
+                             "or with --reproducible of --micro-batches)")
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--zero", action="store_true", help="mpidp.ZeroRedundancyOptimizer")
     parser.add_argument("--zero-stage", type=int, default=1, choices=(1, 2))
@@ -46,10 +47,14 @@ def main() -> None:
     parser.add_argument("--reproducible", action="store_true",
                         help="the same bits at any rank count (micro-batches summed in order)")
     parser.add_argument("--micro-batches", type=int, default=12,
-                        help="with --reproducible: micro-batches per global batch")
+                        help="with --reproducible: micro-batches per global batch (at least "
+                             "the rank count)")
     args = parser.parse_args()
     world = mpidp.size()
-    if args.global_batch % world:
+    if args.reproducible and args.global_batch % args.micro_batches:
+        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of "
+                         f"--micro-batches {args.micro_batches}")
+    if not args.reproducible and args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {world} ranks")
     dtype = torch.float64 if args.float64 else torch.float32
 
@@ -58,7 +63,8 @@ def main() -> None:
     targets = (inputs @ torch.randn(16, 1, generator=data, dtype=dtype)).tanh()
     dataset = TensorDataset(inputs, targets)
     # mpidp: each rank takes its share of every global batch, in the same global order
-    if args.reproducible:  # mpidp: whole micro-batches, the same ones at any rank count
+    if args.reproducible:  # mpidp: whole micro-batches, the same ones at any rank count (the
+        # first ranks take one more where they do not divide): batch_size differs by rank
         micro_size = args.global_batch // args.micro_batches
         sampler = mpidp.DistributedSampler(dataset, shuffle=True, seed=7, drop_last=True,
                                            micro_batches=args.micro_batches,

@@ -40,7 +40,8 @@ What happens, in order:
    the lost rank's copy are then laid out over the survivors.
 5. **Re-split.** The sampler deals the same global order to N-1 ranks from
    that step's position, with the global batch kept (``batch_size`` becomes
-   global batch / (N-1), which must divide), and the loop goes on.
+   global batch / (N-1), which must divide; with the sampler's micro-batches,
+   each rank's share of them, N-1 at most their number), and the loop goes on.
 
 The run after a heal is a run that changed its world size at that step, as a
 resume from a checkpoint at N-1 ranks would (``docs/healing.md``).
@@ -369,13 +370,13 @@ class Healer:
         whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
         world = _watchdog.watched("Healer: the world's shrink (MPI_Comm_shrink)", old.Shrink)
         lost = _lost_ranks(old, world)
-        global_batch = c.batch_size * c.world
+        global_batch = c._global_batch()
+        unfit = c.sampler.dealing_problem(world.Get_size(), global_batch)
         why, steps = None, None
         if not whole:
             why = f"communicators that cannot be rebuilt: {stuck or 'on another rank'}"
-        elif global_batch % world.Get_size():
-            why = (f"the global batch of {global_batch} samples does not divide among "
-                   f"{world.Get_size()} ranks")
+        elif unfit:
+            why = unfit
         elif self._zero is not None:
             why, steps = self._zero_step(old, world)
         if why is not None:  # the same on every survivor: all raise it, the job ends
@@ -466,8 +467,8 @@ class Healer:
         c = self.checkpointer
         epoch = c.sampler.epoch if c._epoch is None else c._epoch
         start = c._base + c._batches * global_batch  # samples of the epoch's global order taken
-        c.batch_size = global_batch // world.Get_size()
         c.sampler.resize(world.Get_size(), world.Get_rank())
+        c.batch_size = c.sampler.share(global_batch)
         c.sampler.resume_from(epoch, start)
         c._epoch, c._base, c._batches = epoch, start, 0
         loader.batch_sampler.batch_size = c.batch_size

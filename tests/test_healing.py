@@ -250,10 +250,12 @@ def test_a_reproducible_run_healed_from_4_to_3_ranks_prints_the_uninterrupted_ru
         tmp_path):
     """examples/train_preemptible.py --reproducible (docs/reproducible.md): rank 3 of 4 dies
     inside step 9's loss average; the survivors heal, run that step again at 3 ranks and go on,
-    and every step's last printed string is the uninterrupted 4-rank run's, bit for bit."""
+    and every step's last printed string is the uninterrupted 4-rank run's, bit for bit. The 7
+    micro-batches of 2 samples are dealt unevenly at both sizes (2, 2, 2, 1, then 3, 2, 2):
+    their global batch of 14 divides by neither."""
     python = _openmpi_python()
     args = ["examples/train_preemptible.py", "--reproducible", "--steps", "12",
-            "--global-batch", "12", "--samples", "120"]
+            "--global-batch", "14", "--micro-batches", "7", "--samples", "120"]
     straight = _ulfm_run(python, 4, [*args, "--checkpoint-dir", str(tmp_path / "a")], 240)
     assert straight.returncode == 0, (straight.stdout + straight.stderr)[-6000:]
     healed = _ulfm_run(python, 4, [*args, "--checkpoint-dir", str(tmp_path / "b")], 240,

@@ -204,12 +204,13 @@ def test_the_jobscript_forwards_the_signal_and_the_relaunch_is_bit_identical(run
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_reproducible_run_stopped_at_2_ranks_and_resumed_at_3_prints_the_same_strings(tmp_path):
+def test_reproducible_run_stopped_at_2_ranks_and_resumed_at_4_prints_the_same_strings(tmp_path):
     """--reproducible (docs/reproducible.md): the strings of a run stopped by SIGTERM at 2
-    ranks and of its resumption at 3 are those of an uninterrupted run at 3 ranks, bit for bit
-    (12 micro-batches of 1 sample: 6 per rank, then 4)."""
-    mode = ["--reproducible", "--steps", "10"]
-    status, out, err = _launch(3, tmp_path / "straight", *mode)
+    ranks and of its resumption at 4 are those of an uninterrupted run in one process, bit for
+    bit (6 micro-batches of 2 samples: 3 per rank at 2 ranks, and at 4 dealt unevenly, 2, 2,
+    1, 1)."""
+    mode = ["--reproducible", "--micro-batches", "6", "--steps", "10"]
+    status, out, err = _launch(1, tmp_path / "straight", *mode)
     assert status == 0, err[-4000:]
     reference = _losses(out)
     assert sorted(reference) == list(range(1, 11))
@@ -217,7 +218,7 @@ def test_reproducible_run_stopped_at_2_ranks_and_resumed_at_3_prints_the_same_st
     status, out, err = _launch(2, directory, *mode, "--pace", "0.05", signal_after=3)
     stopped = _check_stopped(status, out, err)
     first = _losses(out)
-    status, out, err = _launch(3, directory, *mode)
+    status, out, err = _launch(4, directory, *mode)
     assert status == 0, err[-4000:]
-    assert f"resumed at step {stopped} on 3 ranks" in out
+    assert f"resumed at step {stopped} on 4 ranks" in out
     assert {**first, **_losses(out)} == reference
