@@ -160,9 +160,13 @@ def alltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, inp
 
 
 def ialltoall(output: torch.Tensor, tensor: torch.Tensor, output_splits=None, input_splits=None,
-              *, comm=None) -> Handle:
-    """Start ``alltoall`` without blocking (the splits check before it does block)."""
-    return _alltoall(output, tensor, output_splits, input_splits, comm, True)
+              *, comm=None, check_splits: bool = True) -> Handle:
+    """Start ``alltoall`` without blocking (the splits check before it does block).
+
+    ``check_splits`` as for ``alltoall``: False where each rank's ``output_splits``
+    are the senders' ``input_splits``, exchanged already (Horovod's ``alltoall``).
+    """
+    return _alltoall(output, tensor, output_splits, input_splits, comm, True, check_splits)
 
 
 def _allgatherv(tensor, comm, nonblocking):

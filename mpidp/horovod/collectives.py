@@ -259,7 +259,10 @@ def alltoall_async(tensor, splits=None, name=None, process_set=_sets.global_proc
         output = tensor.new_empty((sum(receives), *tensor.shape[1:]))
         # on the splits' device, as in Horovod (a list of splits: the CPU)
         result["value"] = (output, torch.tensor(receives, dtype=torch.int32, device=device))
-        return [_comm.ialltoall(output, tensor, receives, sends, comm=process_set.data)]
+        # the splits were exchanged just above, and the negotiation compared the rows'
+        # shape and dtype: the engine's splits check would exchange them a second time
+        return [_comm.ialltoall(output, tensor, receives, sends, comm=process_set.data,
+                                check_splits=False)]
 
     return _requests.register(_requests.begin(
         process_set, _requests.ALLTOALL, launch, lambda: result["value"], keep=(tensor,),

@@ -185,6 +185,18 @@ def test_alltoall_with_splits_returns_received_splits():
     torch.testing.assert_close(x.grad, torch.arange(1.0, 3.0).expand_as(x))
 
 
+def test_alltoall_exchanges_its_splits_once(monkeypatch):
+    """hvd.alltoall exchanges the splits to size its output; the engine's own splits check
+    (an alltoall and an allreduce more) ran after it too, and now only under MPIDP_DEBUG."""
+    uneven = mpidp.comm.uneven
+    checks, check = [], uneven._check_splits_agree
+    monkeypatch.setattr(uneven, "_check_splits_agree", lambda *a: checks.append(a) or check(*a))
+    splits = [hvd.rank() + 1] * hvd.size()
+    output, received = hvd.alltoall(torch.ones(sum(splits), 2), splits=splits)
+    assert received.tolist() == [r + 1 for r in range(hvd.size())] and output.shape[1] == 2
+    assert len(checks) == (1 if mpidp.comm.checks._DEBUG else 0)
+
+
 def test_reducescatter_splits_rows_as_horovod():
     rank, size = hvd.rank(), hvd.size()
     rows = 2 * size + 1  # not divisible: the first rank gets one more row
