@@ -79,6 +79,7 @@ from . import watchdog as _watchdog
 from .checkpoint import Checkpointer
 from .ddp.data_parallel import DistributedDataParallel
 from .ddp.replica import broadcast_coalesced
+from .process_group import healing as _torch_groups
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["Healer", "ulfm"]
@@ -134,7 +135,16 @@ def _unhealable(model, optimizer) -> list[str]:
     others = [f"{type(o).__name__} {id(o):#x}" for o in _communicators.rebuilders()
               if isinstance(o, (DistributedDataParallel, ZeroRedundancyOptimizer))
               and o is not model and o is not optimizer]
-    return _communicators.unrebuildable() + others
+    torch_groups = _torch_groups.problem()
+    return _communicators.unrebuildable() + others + ([torch_groups] if torch_groups else [])
+
+
+def _horovod_trains(optimizer) -> bool:
+    """Whether ``optimizer`` is ``mpidp.horovod``'s DistributedOptimizer over Horovod's whole
+    world, which a heal carries on (``mpidp.horovod.healing``; imported only by a program's
+    ``import mpidp.horovod``)."""
+    horovod = sys.modules.get("mpidp.horovod.healing")
+    return horovod is not None and horovod.follows(optimizer)
 
 
 def _copy(state, into=None):
@@ -161,8 +171,11 @@ class Healer:
 
     Args:
         checkpointer: the run's ``mpidp.Checkpointer``, with an mpidp
-            ``DistributedDataParallel`` over the world as its model and an
-            ``mpidp.DistributedSampler`` with ``batch_size``.
+            ``DistributedDataParallel`` over the world as its model (or torch's
+            over the default group of ``"mpidp"``, ``mpidp.process_group.healing``,
+            or a module stepped by ``mpidp.horovod``'s ``DistributedOptimizer``,
+            ``mpidp.horovod.healing``) and an ``mpidp.DistributedSampler`` with
+            ``batch_size``.
 
     Attributes:
         active: whether this job can heal (``ulfm()`` and more than one rank).
@@ -173,14 +186,14 @@ class Healer:
 
     Raises:
         TypeError, ValueError: on every rank: not a Checkpointer, or one without
-            a sampler; and, where this job can heal, what cannot: torch's DDP
-            or FSDP, a ``ZeroRedundancyOptimizer`` in stage 2 or over a
+            a sampler; and, where this job can heal, what cannot: torch's FSDP
+            or a DDP over a group of its own, a ``ZeroRedundancyOptimizer`` in stage 2 or over a
             communicator of its own (stage 1 over the world heals: its
             constructor here starts the partner copies, collectively), a DDP
             over a communicator other than the world, a second DDP or ZeRO, or
-            communicators that no owner can rebuild (``mpidp.horovod``,
-            torch.distributed groups over ``"mpidp"``, a ``SyncBatchNorm`` over a
-            communicator of the program's). Where
+            communicators that no owner can rebuild (``mpidp.horovod`` over a
+            communicator of the program's, torch.distributed's MPI or TCP store,
+            a ``SyncBatchNorm`` over a communicator of the program's). Where
             it cannot heal, the loop is the plain one whatever trains in it.
     """
 
@@ -198,6 +211,8 @@ class Healer:
             checkpointer.optimizer, ZeroRedundancyOptimizer) else None
         if self._zero is not None:
             self._zero.keep_partner_copy()
+        if self.active:
+            _torch_groups.arm()
         self.heals: list[dict] = []
         self._lost: float | None = None  # when this rank met the lost rank, until the heal
         self._snapshot: dict | None = None  # the state at the start of the step in guard()
@@ -216,11 +231,17 @@ class Healer:
         if not active:
             return
         model = checkpointer.model
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"Healer heals mpidp.DistributedDataParallel only, got "
-                            f"{type(model).__name__} (torch's DDP and FSDP over \"mpidp\" cannot "
-                            f"rebuild their process groups)")
-        if not model._over_world:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            problem = _torch_groups.ddp_problem(model)
+            if problem:
+                raise ValueError(f"Healer: {problem}")
+        elif not isinstance(model, DistributedDataParallel):
+            if not _horovod_trains(checkpointer.optimizer):
+                raise TypeError(f"Healer heals mpidp.DistributedDataParallel, torch's over "
+                                f"\"mpidp\", or a module stepped by mpidp.horovod's "
+                                f"DistributedOptimizer over the whole world, got "
+                                f"{type(model).__name__} (FSDP cannot carry a lost rank's shards)")
+        elif not model._over_world:
             raise ValueError("Healer: the DistributedDataParallel trains over a communicator "
                              "of its own; only one over the world (comm=None) follows a heal")
         zero = checkpointer.optimizer
@@ -251,6 +272,7 @@ class Healer:
         self._snapshot = self._capture()
         try:
             yield
+            _torch_groups.raise_lost()  # one torch's DDP could not be told of in its backward
         except Exception as error:
             if not _errors.lost_rank(error):
                 raise
@@ -341,7 +363,7 @@ class Healer:
         into the memory of the oldest copy kept."""
         keep = 1 if self._zero is None else 2
         last = self._copies[0] if len(self._copies) >= keep else {}
-        module = self.checkpointer.model.module
+        module = self.checkpointer._module()
         copy = {"model": _copy(module.state_dict(), last.get("model")),
                 "rng": generators.states(), "position": self._position(),
                 **{name: _copy(obj.state_dict(), last.get(name))
@@ -352,7 +374,7 @@ class Healer:
     def _restore(self, snapshot: dict) -> None:
         self._copies = []  # the optimizer may now hold these very tensors: copy afresh
         c = self.checkpointer
-        c.model.module.load_state_dict(snapshot["model"])
+        c._module().load_state_dict(snapshot["model"])
         for name, obj in self._parts().items():
             obj.load_state_dict(snapshot[name])
         generators.restore(snapshot["rng"])
@@ -388,6 +410,8 @@ class Healer:
             atexit.register(_leave_without_finalize)
         runtime.set_world(world)
         _communicators.rebuild_all(world)
+        if isinstance(c.model, torch.nn.parallel.DistributedDataParallel):
+            _torch_groups.follow(c.model)
         if self._zero is not None:
             root = self._take_zero_state(world, steps, _lost_ranks(old, world, old))
         else:
@@ -416,7 +440,7 @@ class Healer:
             state = {"position": self._position(), "rng": None,
                      **{name: obj.state_dict() for name, obj in self._parts().items()}}
         state = collective(world, "bcast", (state, root), "Healer: the state's broadcast")
-        module = c.model.module
+        module = c._module()
         broadcast_coalesced([*module.parameters(), *module.buffers()], root, comm=world)
         if world.Get_rank() != root:
             for name, obj in self._parts().items():

@@ -189,6 +189,55 @@ def test_a_syncbatchnorm_follows_a_heal_over_the_survivors(tmp_path, reference_w
     _check_losses(result.stdout, reference_with_batchnorm)
 
 
+def _strings(output: str) -> dict[str, str]:
+    return dict(LINE.findall(output))
+
+
+def test_torch_ddp_and_groups_over_mpidp_follow_heals_and_a_sigterm_after_them_resumes(tmp_path,
+                                                                                    reference):
+    """torch's DistributedDataParallel over "mpidp" (mpidp/process_group/healing.py): rank 2
+    dies inside a bucket's allreduce of step 5 (torch's reducer reads its futures in C++, which
+    crashes on a failed one) and rank 1 in its backward of step 14; the default group and a new_group of the odd
+    ranks are made again over the survivors each time (4 -> 3 -> 2 ranks) and the run follows
+    the reference. The same run stopped by SIGTERM at step 18, after both heals, saves over
+    the 2 survivors and exits 75; resumed at 2 ranks it prints the uninterrupted run's strings,
+    bit for bit."""
+    kills = {"MPIDP_TEST_KILL": "2:9:allreduce op=sum dtype=float64"}
+    extra = ["--torch-ddp", "--kill", "1:14:backward"]
+    whole = _ulfm(4, tmp_path / "a", extra=extra, env=kills)
+    output = whole.stdout + whole.stderr
+    assert whole.returncode == 0 and "WRONG" not in output, output[-6000:]
+    found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(whole.stdout)]
+    assert found == [(2, 3, 4), (1, 2, 13)], output[-6000:]
+    _check_losses(whole.stdout, reference)
+    stopped = _ulfm(4, tmp_path / "b", extra=[*extra, "--sigterm", "3:18"], env=kills)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 75, output[-6000:]
+    assert "mpidp: stopped at step 18 (rank 1: SIGTERM)" in stopped.stdout, output[-6000:]
+    resumed = _ulfm(2, tmp_path / "b", extra=["--torch-ddp"])
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
+    first, then = _strings(stopped.stdout), _strings(resumed.stdout)
+    assert sorted(map(int, first)) == list(range(1, 19)), stopped.stdout[-3000:]
+    assert sorted(map(int, then)) == list(range(19, STEPS + 1)), resumed.stdout[-3000:]
+    assert {**first, **then} == _strings(whole.stdout)
+
+
+def test_horovod_world_process_sets_and_optimizer_follow_heals(tmp_path, reference):
+    """mpidp.horovod (mpidp/horovod/healing.py): a module stepped by hvd.DistributedOptimizer
+    loses rank 2 in its forward of step 5, rank 3 inside a bucket's shared-memory allreduce of
+    step 10 and rank 1 in its backward of step 14 (4 -> 3 -> 2 -> 1 ranks): hvd.size() and
+    hvd.rank() are the survivors', the process set of the odd ranks holds its surviving members
+    (and is gone with the last), and the run follows the reference."""
+    result = _ulfm(4, tmp_path / "ckpt", "2:5:forward", "1:14:backward", extra=["--horovod"],
+                   env={"MPIDP_TEST_KILL": "3:40:allreduce op=sum dtype=float64"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "WRONG" not in output, output[-6000:]
+    lost = [int(r) for r, _, _, _ in HEALED.findall(result.stdout)]
+    assert lost == [2, 3, 1], output[-6000:]
+    assert "done at 1 ranks" in result.stdout, output[-3000:]
+    _check_losses(result.stdout, reference)
+
+
 def _prrte() -> Path:
     given = os.environ.get("MPIDP_TEST_PRRTE")
     if not given or not Path(given).exists():

@@ -17,6 +17,7 @@ from ..comm.handle import collective
 from .. import _args
 from .. import communicators as _communicators
 from .. import runtime as _runtime
+from . import healing as _healing
 from . import process_sets as _sets
 from . import settings as _settings
 from . import state as _state_module
@@ -85,6 +86,7 @@ def init(comm=None, process_sets=None) -> None:
         for process_set in process_sets if isinstance(process_sets, (list, tuple)) else ():
             _sets._register(process_set, world)
         _settings.apply(start_timeline)
+        _healing.adopt(base)
     except BaseException:
         shutdown()
         raise

@@ -42,6 +42,7 @@ from ..ddp import overlap as _overlap
 from ..ddp.buckets import Bucket, assign_buckets
 from ..comm import chunking as _chunking
 from . import adasum as _adasum
+from . import healing as _healing
 from . import process_sets as _sets
 from . import requests as _requests
 from . import settings as _settings
@@ -139,6 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._should_synchronize, self._synchronized = True, False
         self._layout()
+        _healing.track(self)  # laid out again over the survivors of a heal
 
     # the wrapped optimizer's attributes
     param_groups = property(lambda self: self._optimizer.param_groups,

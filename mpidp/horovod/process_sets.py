@@ -158,7 +158,11 @@ def add_process_set(process_set) -> ProcessSet:
     world = _state._world()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    return _register(process_set, world)
+    _register(process_set, world)
+    from . import healing  # noqa: PLC0415 (it imports this module)
+
+    healing.adopt()  # its communicators follow a heal
+    return process_set
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

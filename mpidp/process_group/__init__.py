@@ -68,6 +68,7 @@ from . import monitor as _monitor
 from .. import rendezvous as _rendezvous
 from .. import runtime as _runtime
 from . import chunks as _chunks
+from . import healing as _healing
 from . import work as _work
 from .operations import Operations
 from .progress import progress as _progress
@@ -110,12 +111,13 @@ def _create(common, options):
     # what a compiled caller waits on; Done and All hold nothing dynamo cannot trace, and
     # each mark costs a call about 0.4 us (docs/performance-comm.md)
     _runtime.keep_out_of_torch_compile(_work.Work, _WORK_METHODS)
-    world = MPI.COMM_WORLD
+    world = _runtime.world()  # MPI.COMM_WORLD, or its survivors after a heal (.healing)
     members = list(common.global_ranks_in_group)
     if not members:  # the default group
         base = world
         if common.group_size != world.Get_size() or common.group_rank != world.Get_rank():
-            raise ValueError(f"the mpidp backend's default group must be MPI.COMM_WORLD: torch "
+            raise ValueError(f"the mpidp backend's default group must be mpidp's world "
+                             f"(MPI.COMM_WORLD, or its survivors after a heal): torch "
                              f"asked for rank {common.group_rank} of {common.group_size}, MPI "
                              f"gives rank {world.Get_rank()} of {world.Get_size()}")
     else:
@@ -131,6 +133,7 @@ def _create(common, options):
             group.Free()
     group = ProcessGroupMPIDP(base, common.group_rank, common.group_size, common.timeout)
     group._store = common.store  # monitored_barrier's (mpidp.process_group.monitor)
+    _healing.adopt(group)
     return group
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..comm import progress as _engine
 from .. import watchdog as _watchdog
 from .call_check import CallCheck, CallMismatch
+from . import healing as _healing
 from .chunks import Chunks
 from .progress import progress
 
@@ -176,9 +177,12 @@ class Work(dist.Work):
             if future is None or self._future_set:
                 return
             self._future_set = True
-        if isinstance(self._error, CallMismatch):  # a future taken while pending, as torch's
+        error = self._error
+        if isinstance(error, CallMismatch):  # a future taken while pending, as torch's
             progress.end_job_for(self, "failed")  # DDP does: its C++ crashes on the failure
-        _settle_future(future, self._result, self._error)
+        elif error is not None and _healing.takes(error):  # a Healer's guard() raises it
+            error = None
+        _settle_future(future, self._result, error)
 
     def describe(self) -> str:
         return _watchdog._label_text(self._label)

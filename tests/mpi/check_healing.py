@@ -129,7 +129,7 @@ def test_a_ddp_rebuilt_over_the_world_trains_on_as_before(directory):
 
 
 @pytest.mark.parametrize("what, message", [
-    ("plain module", "heals mpidp.DistributedDataParallel only"),
+    ("plain module", "heals mpidp.DistributedDataParallel, torch's"),
     ("own communicator", "communicator of its own"),
     ("no sampler", "needs the Checkpointer's sampler"),  # even where nothing can heal
     ("second ddp", "cannot follow a heal"),
@@ -177,6 +177,47 @@ def test_what_cannot_heal_is_an_error_on_every_rank(directory, what, message, mo
     for zero in zeros:
         mpidp.communicators.free(zero._comm)
     dup.Free()
+
+
+def test_torch_ddp_over_the_default_group_and_horovod_are_accepted_a_group_of_its_own_is_not(
+        directory, monkeypatch):
+    """Where the job can heal (ULFM forced here): torch's DDP over the default group of
+    "mpidp" follows a heal (mpidp/process_group/healing.py), one over a group made with
+    new_group does not (refused on every rank, naming the rule); a module stepped by
+    hvd.DistributedOptimizer over hvd.init()'s whole world follows (mpidp/horovod/healing.py)."""
+    import torch.distributed as dist
+    import mpidp.horovod as hvd
+
+    monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
+    mpidp.init_process_group("mpidp", store="local")
+    try:
+        for group in (dist.new_group(list(range(SIZE))), None):
+            model = torch.nn.parallel.DistributedDataParallel(_model(), process_group=group)
+            dataset = _data()
+            checkpointer = mpidp.Checkpointer(
+                directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                sampler=mpidp.DistributedSampler(dataset), batch_size=2, signals=())
+            if group is not None:
+                with pytest.raises(ValueError, match="over the default group of .mpidp. only"):
+                    mpidp.Healer(checkpointer)
+            else:
+                assert mpidp.Healer(checkpointer).active
+            checkpointer.close()
+    finally:
+        dist.destroy_process_group()
+    hvd.init()
+    try:
+        model = _model()
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters())
+        dataset = _data()
+        checkpointer = mpidp.Checkpointer(directory, model=model, optimizer=optimizer,
+                                          sampler=mpidp.DistributedSampler(dataset),
+                                          batch_size=2, signals=())
+        assert mpidp.Healer(checkpointer).active
+        checkpointer.close()
+    finally:
+        hvd.shutdown()
 
 
 def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directory, monkeypatch):

@@ -24,10 +24,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 import mpidp
+import mpidp.horovod as hvd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import heal_model  # noqa: E402 (tests/, beside this folder)
@@ -52,8 +54,9 @@ def _arm(kills: dict, checkpointer, ddp) -> None:
                 _die(where)
         return check
 
-    ddp.module.register_forward_pre_hook(hook("forward"))
-    ddp.module[-1].register_full_backward_hook(hook("backward"))
+    module = getattr(ddp, "module", ddp)  # a DDP's, or the module itself (--horovod)
+    module.register_forward_pre_hook(hook("forward"))
+    module[-1].register_full_backward_hook(hook("backward"))
     allreduce = mpidp.comm.allreduce
 
     def dying_allreduce(tensor, *args, **kwargs):
@@ -74,6 +77,43 @@ def _arm(kills: dict, checkpointer, ddp) -> None:
     checkpointer.step = dying_step
 
 
+def _odd_ranks_group_follows(group) -> None:
+    """After any heal: torch's world is mpidp's, and the group of the launch's odd ranks holds
+    its survivors (a line with WRONG says otherwise)."""
+    from mpidp.process_group.healing import healed
+
+    launch_ranks = mpidp.allgather_object(LAUNCH_RANK)
+    odd = [r for r in launch_ranks if r % 2]
+    group, wrong = healed(group), []
+    if (dist.get_rank(), dist.get_world_size()) != (mpidp.rank(), mpidp.size()):
+        wrong.append(f"torch's rank and size {dist.get_rank()}/{dist.get_world_size()}")
+    if LAUNCH_RANK % 2:
+        total = torch.tensor([float(LAUNCH_RANK)])
+        dist.all_reduce(total, group=group)
+        if total.item() != sum(odd) or dist.get_world_size(group) != len(odd):
+            wrong.append(f"the odd ranks' group: sum {total.item()}, size "
+                         f"{dist.get_world_size(group)}, survivors {odd}")
+    for line in wrong:
+        print(f"rank {LAUNCH_RANK}: WRONG {line}", flush=True)
+
+
+def _odd_ranks_set_follows(odd_set) -> None:
+    """After any heal: Horovod's world is mpidp's, and the process set of the launch's odd
+    ranks holds its survivors (a line with WRONG says otherwise)."""
+    odd = [r for r in mpidp.allgather_object(LAUNCH_RANK) if r % 2]
+    wrong = []
+    if (hvd.rank(), hvd.size()) != (mpidp.rank(), mpidp.size()):
+        wrong.append(f"Horovod's rank and size {hvd.rank()}/{hvd.size()}")
+    if odd_set.included():
+        total = hvd.allreduce(torch.tensor([float(LAUNCH_RANK)]), op=hvd.Sum,
+                              process_set=odd_set)
+        if total.item() != sum(odd) or odd_set.size() != len(odd):
+            wrong.append(f"the odd ranks' set: sum {total.item()}, size {odd_set.size()}, "
+                         f"survivors {odd}")
+    for line in wrong:
+        print(f"rank {LAUNCH_RANK}: WRONG {line}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=heal_model.STEPS)
@@ -81,6 +121,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--kill", action="append", default=[], help="RANK:STEP:WHERE")
     parser.add_argument("--pace", type=float, default=0.0)
+    parser.add_argument("--sigterm", default=None, metavar="RANK:STEP",
+                        help="rank RANK (of the launch) sends itself SIGTERM in step STEP: "
+                             "the Checkpointer stops every rank there, saves and exits 75")
     parser.add_argument("--save-at-end", action="store_true",
                         help="save a checkpoint of the last step (a reference's first half)")
     parser.add_argument("--shared-memory", action="store_true",
@@ -90,6 +133,12 @@ def main() -> None:
                              "lost rank's shard from its partner's copy")
     parser.add_argument("--syncbn", action="store_true",
                         help="a SyncBatchNorm in the model (its channel is rebuilt by a heal)")
+    parser.add_argument("--horovod", action="store_true",
+                        help="the module stepped by mpidp.horovod's DistributedOptimizer (its "
+                             "world, process sets and optimizer follow a heal)")
+    parser.add_argument("--torch-ddp", action="store_true",
+                        help="torch's DistributedDataParallel over the \"mpidp\" backend (its "
+                             "default group is made again over the survivors by a heal)")
     args = parser.parse_args()
     kills = {}
     for kill in args.kill:
@@ -106,21 +155,40 @@ def main() -> None:
     if args.syncbn:
         model = mpidp.SyncBatchNorm.convert_sync_batchnorm(model)
     # small buckets: several allreduces per step, so a kill can fall between two of them
-    ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
-                                        shared_memory=args.shared_memory)
+    if args.torch_ddp:
+        mpidp.init_process_group("mpidp", store="local")  # the MPI store cannot heal
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    elif args.horovod:
+        hvd.init()
+        ddp = model
+    else:
+        ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.004, first_bucket_mb=0.001,
+                                            shared_memory=args.shared_memory)
     if args.zero:  # the same Adam and schedule as heal_model.optimizers, sharded
         optimizer = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     else:
         optimizer, scheduler = heal_model.optimizers(ddp.parameters())
+    if args.horovod:  # small buckets, as the DDPs': a kill can fall between two
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = "4096"
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                             named_parameters=model.named_parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     checkpointer = mpidp.Checkpointer(args.checkpoint_dir, model=ddp, optimizer=optimizer,
                                       scheduler=scheduler, sampler=sampler,
-                                      batch_size=batch_size, every=8, signals=())
+                                      batch_size=batch_size, every=8,
+                                      signals=(signal.SIGTERM,) if args.sigterm else ())
     checkpointer.resume()
     healer = mpidp.Healer(checkpointer)
     _arm(kills, checkpointer, ddp)
+    odd = dist.new_group(list(range(1, mpidp.size(), 2))) if args.torch_ddp else None
+    odd_set = hvd.add_process_set(list(range(1, mpidp.size(), 2))) if args.horovod else None
     for x, y in healer.batches(loader, steps=args.steps):
         with healer.guard():
+            if odd is not None:
+                _odd_ranks_group_follows(odd)
+            if odd_set is not None:
+                _odd_ranks_set_follows(odd_set)
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
@@ -131,6 +199,8 @@ def main() -> None:
             global_loss = mpidp.average(loss.detach())
             if mpidp.rank() == 0:
                 print(f"step {checkpointer.steps + 1} loss {global_loss!r}", flush=True)
+            if args.sigterm == f"{LAUNCH_RANK}:{checkpointer.steps + 1}":
+                os.kill(os.getpid(), signal.SIGTERM)
             checkpointer.step()
     if args.save_at_end:
         checkpointer.save()

@@ -1,0 +1,110 @@
+"""``mpidp.horovod`` after a heal: its world, process sets and optimizers over the survivors.
+
+Horovod's state is mpidp's own communicators (``hvd.init``'s duplicate of the
+world, the node's and the cross communicators, each process set's three), so
+a heal (``mpidp.Healer``, ``mpidp.communicators.rebuild_all``) makes them again
+over the survivors, as ``hvd.init`` would at the new size:
+
+- ``hvd.size()``/``hvd.rank()`` and the node facts are the survivors';
+- every process set keeps its id and its surviving members, renumbered as
+  ranks of the new world (a set whose members were all lost is removed);
+- pending handles are forgotten (their collectives cannot finish: the step
+  that made them is taken back), and every ``DistributedOptimizer`` lays
+  its buckets out again over its set (collective over the set, in the order
+  the optimizers were made, the same on every rank).
+
+Only a Horovod started over the whole world (``hvd.init()`` with no ``comm``)
+follows; one over a communicator of the program's is not rebuilt (the heal
+refuses it, naming its communicators).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from mpi4py import MPI
+
+from .. import communicators as _communicators
+from .. import runtime as _runtime
+from ..comm.handle import collective
+from . import process_sets as _sets
+from . import state as _state_module
+from .state import _state
+
+__all__ = ["adopt", "track", "rebuild", "follows"]
+
+_optimizers: list = []  # weak references to every DistributedOptimizer, oldest first
+_over_world: list = []  # [True] while hvd.init's world is a duplicate of mpidp's whole world
+
+
+def _comms() -> list:
+    sets = [s for _, s in sorted(_sets._registry.items())]
+    node = [c for s in sets if s._node and s._node[0] is not None
+            for c in (s._node[0].node, s._node[0].cross)]
+    return [_state.local, _state.cross, *(c for s in sets for c in (s.comm, s.data, s.control)
+                                          if c is not None and c != MPI.COMM_NULL), *node]
+
+
+def adopt(base=None) -> None:
+    """Name ``rebuild`` for Horovod's communicators made so far (local), where ``hvd.init``
+    was given mpidp's whole world: ``base``, its communicator, when it made them."""
+    if base is not None:
+        _over_world[:] = [base == _runtime.world()]
+    if _over_world and _over_world[0]:
+        for comm in _comms():
+            _communicators.set_rebuild(comm, rebuild)
+
+
+def track(optimizer) -> None:
+    """Lay ``optimizer``'s buckets out again after a heal (local)."""
+    _optimizers[:] = [ref for ref in _optimizers if ref() is not None] + [weakref.ref(optimizer)]
+    adopt()  # the set's shared-memory node, which its layout may have made
+
+
+def follows(optimizer) -> bool:
+    """Whether ``optimizer`` is a DistributedOptimizer that a heal carries on: over the global
+    process set of a Horovod started over mpidp's whole world (local)."""
+    return (any(ref() is optimizer for ref in _optimizers) and bool(_over_world)
+            and _over_world[0] and optimizer._process_set is _sets.global_process_set)
+
+
+def rebuild(world: MPI.Intracomm) -> None:
+    """Horovod's world, process sets and optimizers again over ``world`` (collective over it;
+    ``mpidp.communicators.rebuild_all`` calls it once per heal)."""
+    old = _state.world
+    kept = MPI.Group.Translate_ranks(old.Get_group(), list(range(old.Get_size())),
+                                     world.Get_group())
+    _state_module.forget_all()  # pending handles: their step is taken back
+    sets = [s for _, s in sorted(_sets._registry.items())]
+    for comm in _comms():
+        _communicators.release(comm)
+    for process_set in sets:
+        process_set.comm = process_set.data = process_set.control = process_set._node = None
+    hvd_world = _communicators.made(world.Dup(), "hvd.init: Horovod's world")
+    _state.world = hvd_world
+    _state.local = _communicators.made(
+        hvd_world.Split_type(MPI.COMM_TYPE_SHARED, key=hvd_world.Get_rank()),
+        "hvd.init: the node's ranks")
+    _state.cross = _communicators.made(
+        hvd_world.Split(_state.local.Get_rank(), hvd_world.Get_rank()),
+        "hvd.init: one rank per node")
+    sizes = collective(hvd_world, "allgather", (_state.local.Get_size(),),
+                       "hvd.init (node sizes) after a heal")
+    _state.homogeneous = len(set(sizes)) == 1
+    for process_set in sets:
+        ranks = [kept[r] for r in process_set.ranks if kept[r] != MPI.UNDEFINED]
+        number = process_set.process_set_id
+        if not ranks:  # every member lost: the set is gone
+            del _sets._registry[number]
+            process_set.process_set_id = None
+            continue
+        process_set.ranks = ranks
+        comm = (hvd_world if process_set is _sets.global_process_set else
+                hvd_world.Create_group(hvd_world.Get_group().Incl(ranks)))
+        process_set.process_set_id = None
+        process_set._attach(comm, number)
+    for ref in list(_optimizers):
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._layout()
+    adopt()
