@@ -7,6 +7,7 @@ has a check that it finds what it looks for in a file made for it.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def _settings_module():
     return module
 
 
+@functools.cache
 def _sources() -> dict[str, ast.Module]:
     return {str(path.relative_to(PACKAGE.parent)): ast.parse(path.read_text(), str(path))
             for path in sorted(PACKAGE.rglob("*.py"))}
