@@ -355,7 +355,7 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
         if self._pool.comms:
             self._pool.free()
             _communicators.free(self._chunk_comm)
-            if self._mpi != MPI.COMM_WORLD:
+            if self._mpi not in (MPI.COMM_WORLD, _runtime.world()):  # the default group's
                 _communicators.free(self._mpi)
 
     def abort(self) -> None:
