@@ -611,7 +611,7 @@ def test_the_info_sample_shows_every_line_info_prints():
 def test_zero_checkpoint_file_names_are_the_ones_save_sharded_writes():
     """The names the docs give for save_sharded's files follow the format in mpidp/zero/checkpoint.py."""
     source = (ROOT / "mpidp" / "zero" / "checkpoint.py").read_text()
-    fmt = re.search(r'f"(zero-rank\{self\.rank(:\w*)?\}-of-\{self\.world(:\w*)?\}\.pt)"', source)
+    fmt = re.search(r'f"(zero-rank\{\w+\.rank(:\w*)?\}-of-\{\w+\.world(:\w*)?\}\.pt)"', source)
     assert fmt, "save_sharded's file name format was not found"
     rank_spec, world_spec = (fmt.group(2) or ":")[1:], (fmt.group(3) or ":")[1:]
     wrong = []
