@@ -18,7 +18,11 @@ alike. A step's time is the slowest rank's. Modes:
   (0 = "nonblocking", 1 = "thread", 2 = "inline"), ``inplace`` (MiB; 0 = off),
   ``buffers`` (0/1: broadcast_buffers), ``stats`` (0/1: ``record_stats``, the
   step statistics and profiler ranges), ``shm`` (0/1: ``shared_memory``; by
-  default on for CPU models, every rank on one node).
+  default on for CPU models, every rank on one node), ``pack`` (how the buckets are
+  filled, ``mpidp.ddp.packing``: 0 = each gradient copied and divided at its hook,
+  1 = one ``_foreach_copy_`` per bucket, 2 = one CuPy kernel launch per bucket where
+  it applies, ``_foreach_copy_`` elsewhere: on a GPU, 2 against 1 is with and without
+  CuPy in the hot path; left out: the rule, which packs CPU buckets as 0, CUDA ones as 1).
 - ``mpidp+HOOK``, ``ddp-gloo+HOOK``: with a comm hook, HOOK one of fp16, bf16,
   powersgd (rank 4, compressing from the third step): mpidp's own hooks on
   mpidp, torch's on torch's DDP.
@@ -43,9 +47,11 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
+from mpidp.ddp import packing
 from models import build
 
 COMM = MPI.COMM_WORLD
+PACKINGS = (packing.EACH, packing.FOREACH, packing.KERNEL)  # the ``pack`` setting's values
 GROUPS = {}  # "ddp-gloo"/"ddp-mpidp" -> the process group torch's DDP runs over
 
 
@@ -115,6 +121,9 @@ class Runner:
         self.batches = [(x.to(device), y.to(device)) for x, y in batches]
         self.wait = 0.0
         self.first_launch = None
+        pack = self.settings.get("pack")
+        self.packing = None if pack is None else PACKINGS[int(pack)]
+        packing.FORCE = self.packing  # its layouts are chosen now and at the rebuild in step()
         self.model = self.wrap(model)
         self.module = getattr(self.model, "module", self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
@@ -188,6 +197,7 @@ class Runner:
     def step(self) -> dict:
         x, y = self.batches[self.step_index % len(self.batches)]
         self.step_index += 1
+        packing.FORCE = self.packing
         marks = [time.perf_counter()]
         self.optimizer.zero_grad()
         output = self.model(x)

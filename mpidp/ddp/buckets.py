@@ -90,6 +90,7 @@ class Bucket:
             raise ValueError(f"a solo bucket holds one parameter, got {len(params)}")
         self.solo = solo
         self.divisor = 1  # what the strategy still divides the buffer by
+        self.packing = "each"  # how its gradients are copied in (mpidp.ddp.packing.choose)
         self.spare: torch.Tensor | None = None
         self.shards = shards
         self.shapes = [p.shape for p in params]

@@ -87,7 +87,8 @@ class DistributedDataParallel(nn.Module):
             unused, then rely on it (no graph search).
         skip_all_reduce_unused_params, batched_grad_copy: accepted; mpidp's
             results are the same either way (globally unused ``.grad`` is left
-            alone, bucket copies are already fused).
+            alone; each bucket is filled in one call or a copy per gradient,
+            whichever ``mpidp.ddp.packing`` finds cheaper for it).
         forward_sync_buffers: broadcast rank 0's buffers before each forward
             that will synchronise (grad enabled, outside ``no_sync``); None: True.
         delay_all_reduce_named_params, param_to_hook_all_reduce,

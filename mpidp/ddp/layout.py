@@ -19,6 +19,7 @@ from mpi4py import MPI
 from .. import comm as _comm
 from ..comm import shm as _shm
 from . import overlap as _overlap
+from . import packing as _packing
 from .buckets import Bucket, assign_buckets
 
 __all__ = ["BucketLayout"]
@@ -81,6 +82,10 @@ class BucketLayout:
         """Make the buckets of ``members`` and the slots (collective with shared memory)."""
         self.members = members
         self.buckets = [self.make_bucket(indices, self._is_solo(indices)) for indices in members]
+        for bucket, indices in zip(self.buckets, members):
+            first = self.params[indices[0]]
+            mean = sum(self.params[i].numel() for i in indices) * first.element_size() / len(indices)
+            bucket.packing = _packing.choose(first.device, first.dtype, mean)
         self.position = {id(bucket): k for k, bucket in enumerate(self.buckets)}
         self.slot = [None] * len(self.params)
         for bucket, indices in zip(self.buckets, members):

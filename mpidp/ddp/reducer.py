@@ -8,10 +8,12 @@ backward pass, so nothing of one step can leak into the next:
 - the first parameter gradient of a backward pass starts the step (a backward
   that reaches no parameter, such as the ``autograd.grad`` of a gradient
   penalty, leaves it waiting);
-- each parameter's post-accumulate-grad hook copies its gradient (pre-divided
-  by the world size, as torch DDP does) into its bucket slot, and full buckets
-  go, strictly in bucket order, to the overlap strategy (``mpidp.ddp.overlap``), so
-  every rank issues the same collectives in the same order;
+- each parameter's post-accumulate-grad hook puts its gradient into its bucket
+  slot, divided by the world size before the sum as torch DDP does: copied at
+  once, or with the bucket's others in one call when the last one arrives
+  (``mpidp.ddp.packing``); full buckets go, strictly in bucket order, to the
+  overlap strategy (``mpidp.ddp.overlap``), so every rank issues the same
+  collectives in the same order;
 - an autograd-engine callback at the end of that backward waits for everything
   and leaves the averaged gradients in ``param.grad``; the step is then done,
   and any further backward through the same outputs accumulates locally,
@@ -61,6 +63,7 @@ from .. import comm as _comm
 from . import compiled as _compiled
 from . import outcome as _outcome
 from . import overlap as _overlap
+from . import packing as _packing
 from .. import preemption as _preemption
 from ..comm import shm as _shm
 from . import sparse as _sparse
@@ -347,18 +350,26 @@ class Reducer:
         bucket, k = slot
         view = bucket.views[k]
         grad = None if zero else self.params[index].grad
+        position = self.layout.position[id(bucket)]
+        each = bucket.packing == _packing.EACH  # else copied, then divided by the strategy
         with torch.no_grad():
             if bucket.solo:
                 self._prepare_solo(bucket, self.params[index], grad, arrived)
             elif grad is None:
                 view.zero_()
             elif grad.data_ptr() == view.data_ptr():
-                _chunking.divide(view, self._scale)
-            else:
+                if each:
+                    _chunking.divide(view, self._scale)
+            elif each:
                 _chunking.divided(grad, self._scale, out=view)
-        position = self.layout.position[id(bucket)]
+            else:
+                step.copies[position].append((k, grad))
         step.pending[position] -= 1
         if step.pending[position] == 0:
+            if not bucket.solo:
+                _packing.pack(bucket, step.copies[position])
+                step.copies[position].clear()  # no gradient outlives its step here
+                bucket.divisor = 1 if each else self._scale
             self._launch_ready(step)
 
     def _launch_ready(self, step: Step) -> None:

@@ -94,18 +94,20 @@ class ShardedReducer(Reducer):
             grad = self.params[index].grad
             if (slot[0].direct and arrived and not zero and grad is not None
                     and grad.is_contiguous()):
-                slot[0].bind(grad.view(-1))  # Reducer._mark_ready divides it in place
+                slot[0].bind(grad.view(-1))  # divided in place (_mark_ready, or _launch)
                 self._bound[id(slot[0])] = (slot[0], None)
             else:
                 self._bind(slot[0])
         super()._mark_ready(step, index, arrived, zero)
         if arrived:
-            self.params[index].grad = None  # its share is in the bucket now
+            self.params[index].grad = None  # its share is in the bucket (or its batched copy) now
 
     def _launch(self, bucket: Bucket) -> None:
         target = self.sink.grad_target(self.layout.position[id(bucket)])
         shards = bucket.shards
-        pairs = [(bucket.buffer[start:stop], target[position:position + (stop - start) // self.world])
+        # a batched copy left the division to here (mpidp.ddp.packing): each chunk before its turn
+        pairs = [(_chunking.divide(bucket.buffer[start:stop], bucket.divisor),
+                  target[position:position + (stop - start) // self.world])
                  for (start, stop), (_, _, position) in zip(shards.chunks, shards.blocks(0))]
         with self.launcher.fatal_on_error(self._steps):
             self.strategy.start(bucket.buffer, 1, pairs)

@@ -26,7 +26,8 @@ ARMED, RUNNING, DONE = "armed", "running", "done"
 class Step:
     """The reduction of one synced forward, from ``prepare`` to the end of its backward."""
 
-    __slots__ = ("state", "ready", "pending", "next_launch", "task", "unused", "fired", "counted")
+    __slots__ = ("state", "ready", "pending", "next_launch", "task", "unused", "fired", "counted",
+                 "copies")
 
     def __init__(self, count: int, layout: list[list[int]], unused: list[int]):
         self.state = ARMED
@@ -39,6 +40,9 @@ class Step:
         self.unused = unused  # marked ready as soon as the step starts
         self.fired = [0] * count  # post-accumulate-grad hook calls (static_graph)
         self.counted = False  # whether this step has its number (see Reducer._count)
+        # per bucket, (position, gradient) of the gradients its one batched copy takes
+        # (mpidp.ddp.packing), held until the bucket's last one arrives
+        self.copies: list[list] = [[] for _ in layout]
 
 
 def find_tensors(obj) -> list[torch.Tensor]:

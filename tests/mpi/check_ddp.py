@@ -1,5 +1,6 @@
 """DistributedDataParallel on shards equals single-process training on the whole batch."""
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import mpidp
+from mpidp.ddp import packing as _packing
 from _models import (OPTIMIZERS, SIZE, Branches, Frozen, Tied, inputs, loss_of, max_rel_diff,
                      reference_copy, shard, fresh)
 
@@ -236,3 +238,69 @@ def test_zero_grad_set_to_none_frees_the_reduced_gradients():
     ddp.zero_grad(set_to_none=True)
     gc.collect()
     assert all(ref() is None for ref in grads)  # mpidp holds no reference to a step's gradient
+
+
+@contextlib.contextmanager
+def packing(how):
+    """Build and train under packing ``how`` (mpidp.ddp.packing.FORCE; None: the rule)."""
+    before, _packing.FORCE = _packing.FORCE, how
+    try:
+        yield
+    finally:
+        _packing.FORCE = before
+
+
+PACKING_CASES = {  # name: (model, DDP arguments, zero_grad's set_to_none)
+    "copy": ("mixed", dict(bucket_cap_mb=0.001), True),
+    "view": ("mlp", dict(gradient_as_bucket_view=True), True),
+    "kept-grads": ("reverse", dict(bucket_cap_mb=0.002), False),  # .grad zeroed, not new
+    "nonblocking": ("tied", dict(overlap="nonblocking", bucket_cap_mb=0.001), True),
+    "thread-no-shm": ("mlp", dict(overlap="thread", shared_memory=False), True),
+    "unused": ("frozen", dict(find_unused_parameters=True, bucket_cap_mb=0.001), True),
+    "hook": ("mlp", dict(bucket_cap_mb=0.001), True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PACKING_CASES))
+@pytest.mark.parametrize("how", [_packing.FOREACH, _packing.KERNEL])
+def test_a_batched_bucket_copy_gives_the_bits_of_a_copy_per_gradient(how, case):
+    """One copy per bucket when its last gradient arrives (torch's batched_grad_copy; the CuPy
+    kernel's call on CUDA, torch's on the CPU) leaves the same bits as today's copy and division
+    at each gradient's hook: every .grad after every step, and the parameters."""
+    model_name, kwargs, set_to_none = PACKING_CASES[case]
+    models = {}
+    for name in (_packing.EACH, how):
+        with packing(name):
+            ddp = mpidp.DistributedDataParallel(fresh(model_name), **kwargs)
+            if case == "hook":
+                ddp.register_comm_hook(None, mpidp.hooks.allreduce_hook)
+        models[name] = (ddp, OPTIMIZERS["sgd"](ddp.parameters()))
+    assert all(b.packing == how for b in models[how][0].reducer.layout.buckets if not b.solo)
+    for step in range(4):
+        x, y = inputs(model_name, step)
+        for name, (ddp, opt) in models.items():
+            with packing(name):  # the layout rebuilt after the first step chooses again
+                opt.zero_grad(set_to_none=set_to_none)
+                loss_of(model_name, ddp(shard(x)), shard(y)).backward()
+        for (label, p), q in zip(models[_packing.EACH][0].module.named_parameters(),
+                                 models[how][0].module.parameters()):
+            assert (p.grad is None) == (q.grad is None), label
+            assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: {label}"
+        for _, opt in models.values():
+            opt.step()
+    assert max_rel_diff(models[_packing.EACH][0].module, models[how][0].module) == 0.0
+    for ddp, _ in models.values():
+        ddp.close()
+
+
+def test_the_packing_rule_batches_small_gradients_and_copies_big_ones_at_their_hooks():
+    cpu, cuda, small = torch.device("cpu"), torch.device("cuda", 0), _packing.SMALL_BYTES
+    assert _packing.choose(cpu, torch.float32, small) == _packing.FOREACH
+    assert _packing.choose(cpu, torch.float32, small + 1) == _packing.EACH
+    assert _packing.choose(cuda, torch.float32, 1 << 30) == _packing.FOREACH  # KERNEL_ON_CUDA off
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(256, 256))  # 256 KiB weight
+    ddp = mpidp.DistributedDataParallel(model, bucket_cap_mb=0.0001, inplace_threshold_mb=None)
+    big = ddp.reducer.layout.slot[2][0]  # the 256 x 256 weight's bucket
+    assert big.packing == _packing.EACH
+    assert {b.packing for b in ddp.reducer.layout.buckets if b is not big} == {_packing.FOREACH}
+    ddp.close()

@@ -5,6 +5,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import mpidp
+from mpidp.ddp import packing
 from _models import RANK, SIZE, Branches, inputs, loss_of, max_rel_diff, shard, fresh
 
 TOLERANCE = 1e-5
@@ -17,11 +18,16 @@ def report(name, value):
     print(f"EQUIVALENCE-vs-torch-DDP size={SIZE} {name} max_rel_diff={value:.3e}")
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["each", "batched"])
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
-def test_conv_batchnorm_with_buffers_matches_torch_ddp(as_view):
+def test_conv_batchnorm_with_buffers_matches_torch_ddp(as_view, batched, monkeypatch):
+    """Batched: mpidp's one copy per bucket (mpidp.ddp.packing.FOREACH, the CUDA buckets' way,
+    here on the CPU), torch's batched_grad_copy; else a copy per gradient, both."""
+    monkeypatch.setattr(packing, "FORCE", packing.FOREACH if batched else packing.EACH)
     mine = mpidp.DistributedDataParallel(fresh("convbn"), bucket_cap_mb=0.001,
                                          gradient_as_bucket_view=as_view)
-    theirs = TorchDDP(fresh("convbn"), bucket_cap_mb=0.001, gradient_as_bucket_view=as_view)
+    theirs = TorchDDP(fresh("convbn"), bucket_cap_mb=0.001, gradient_as_bucket_view=as_view,
+                      batched_grad_copy=batched)
     assert max_rel_diff(mine.module, theirs.module) == 0.0
     my_opt = torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9)
     their_opt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
@@ -32,7 +38,7 @@ def test_conv_batchnorm_with_buffers_matches_torch_ddp(as_view):
             loss_of("convbn", model(shard(x)), shard(y)).backward()
             opt.step()
     diff = max_rel_diff(mine.module, theirs.module)  # parameters and BatchNorm buffers
-    report(f"convbn-{'view' if as_view else 'copy'}", diff)
+    report(f"convbn-{'view' if as_view else 'copy'}{'-batched' if batched else ''}", diff)
     assert diff < TOLERANCE
     assert mine.module.features[1].num_batches_tracked.item() == 5
 

@@ -1027,3 +1027,20 @@ def test_a_partner_copy_is_refused_in_stage_2_on_every_rank():
         opt.keep_partner_copy()
     assert_alive()
     ddp.close()
+
+
+@pytest.mark.parametrize("model", ["mlp", "wide"])
+def test_stage_2_with_a_batched_bucket_copy_gives_the_bits_of_a_copy_per_gradient(model):
+    """The reduce-scatter divides a batched copy's chunks (mpidp.ddp.packing), as the copy
+    at each hook did: the same bits, padded buckets and gradients reduced where they lie."""
+    from mpidp.ddp import packing
+
+    factory, kwargs = (mlp, {}) if model == "mlp" else (Wide, dict(inplace_threshold_mb=0.001))
+    results = []
+    for how in (packing.EACH, packing.FOREACH):
+        before, packing.FORCE = packing.FORCE, how
+        try:
+            results.append(train(factory, 2, "adamw", steps=4, ddp_kwargs=kwargs))
+        finally:
+            packing.FORCE = before
+    assert all(torch.equal(a, b) for a, b in zip(*results))
