@@ -26,8 +26,9 @@ is built, and a class whose results differ (LBFGS, Adafactor, ...) is refused.
 
 The package: ``optimizer.py`` (``ZeroRedundancyOptimizer``: construction,
 stepping, clipping, param groups), ``bucket.py`` (the flat buffers),
-``elementwise.py`` (the elementwise probe) and ``checkpoint.py`` (whole and
-sharded checkpoints).
+``elementwise.py`` (the elementwise probe), and the two parts the optimizer
+holds: ``checkpoint.py`` (whole and sharded checkpoints) and ``partner.py``
+(the partner copy and a heal's steps).
 """
 
 from .optimizer import ZeroRedundancyOptimizer
