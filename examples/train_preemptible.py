@@ -1,7 +1,9 @@
 """A training run that survives preemption: stop on a signal, requeue, resume at any size.
 
 Under Open MPI's ULFM (``mpirun --with-ft ulfm``) it also survives a lost rank: the others
-heal and go on at one rank fewer (docs/healing.md).
+heal and go on at one rank fewer (docs/healing.md). With ``--spares K``, launched at N+K
+ranks, N train and the last K stand by: a spare takes a lost rank's place, and the run goes
+on at N ranks with the losses of the uninterrupted run.
 
     mpiexec -n 2 python examples/train_preemptible.py --checkpoint-dir ckpt --steps 60
     # kill -USR1 <any rank's pid>: every rank stops at the same step, saves, exits 75
@@ -36,6 +38,8 @@ def main() -> None:
                         help="samples per step over all ranks (a multiple of the rank count, "
                              "or with --reproducible of --micro-batches)")
     parser.add_argument("--samples", type=int, default=240)
+    parser.add_argument("--spares", type=int, default=0,
+                        help="the launch's last ranks that stand by to replace a lost one")
     parser.add_argument("--zero", action="store_true", help="mpidp.ZeroRedundancyOptimizer")
     parser.add_argument("--zero-stage", type=int, default=1, choices=(1, 2))
     parser.add_argument("--float64", action="store_true")
@@ -50,6 +54,8 @@ def main() -> None:
                         help="with --reproducible: micro-batches per global batch (at least "
                              "the rank count)")
     args = parser.parse_args()
+    # mpidp: of the launch's ranks, the last --spares stand by (in healer.batches() below)
+    trains = mpidp.stand_by(spares=args.spares)
     world = mpidp.size()
     if args.reproducible and args.global_batch % args.micro_batches:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of "
@@ -95,7 +101,7 @@ def main() -> None:
                                       batch_size=batch_size, every=args.save_every,
                                       deadline=args.deadline)
     start = checkpointer.resume()  # mpidp: the last whole checkpoint, if there is one
-    if mpidp.rank() == 0 and start:
+    if mpidp.rank() == 0 and start and trains:
         print(f"resumed at step {start} on {world} ranks", flush=True)
 
     # mpidp: a lost rank (only where MPI has ULFM: mpirun --with-ft ulfm) is healed and the

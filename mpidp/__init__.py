@@ -32,9 +32,10 @@ from . import (
     zero,
 )
 from . import rendezvous, store
-from . import checkpoint, generators, healing, preemption, recorder
+from . import checkpoint, generators, healing, preemption, recorder, spares
 from .checkpoint import Checkpointer
 from .healing import Healer
+from .spares import stand_by
 from .ddp.data_parallel import DDP, DistributedDataParallel
 from .objects import allgather_object, average, broadcast_object
 from .optimizer import broadcast_optimizer_state
@@ -54,12 +55,12 @@ process_group.register()  # torch.distributed backend "mpidp" and mpidp:// (no M
 
 __all__ = [
     "DistributedDataParallel", "DDP", "DistributedSampler", "SyncBatchNorm", "Checkpointer",
-    "Healer", "ZeroRedundancyOptimizer",
+    "Healer", "stand_by", "ZeroRedundancyOptimizer",
     "broadcast_object", "allgather_object", "average", "broadcast_optimizer_state",
     "profile",
     "rank", "size", "local_rank", "local_size", "barrier", "abort_on_exception",
     "init_process_group", "monitored_barrier",
-    "checkpoint", "generators", "healing", "preemption", "recorder",
+    "checkpoint", "generators", "healing", "preemption", "recorder", "spares",
     "comm", "cuda", "errors", "hooks", "kernels", "objects", "optimizer", "process_group", "rendezvous", "runtime", "store", "topology",
     "watchdog", "zero",
     "rank_topology",

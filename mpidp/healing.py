@@ -51,8 +51,15 @@ Where the library has no ULFM (``ulfm()`` False: MPICH, Open MPI without
 plain loop and cost nothing: the launcher ends the job when a rank dies, and
 the next launch resumes from the last whole checkpoint.
 
+**Spares** (``mpidp.stand_by``, ``mpidp.spares``): launched at N+K ranks, N train
+and K wait in ``batches()``; a heal then shrinks the launch's ranks instead of the
+world's, and a spare takes the lost rank's number, its share of the data and a
+survivor's state (step 4), so the run goes on at N ranks as if nothing was lost.
+With no spare left it goes on at N-1 ranks as above.
+
 Rules: ``guard()``, ``batches()`` and a heal run on the program's thread; a
-heal is collective over the survivors, at the next batch after the failure.
+heal is collective over the survivors (and the spares, with spares), at the
+next batch after the failure.
 Every collective of a step must run inside ``guard()``: one outside it that
 meets a revoked communicator raises, and the job ends.
 """
@@ -71,6 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import BatchSampler, DataLoader
 
 from . import exits, generators, runtime
+from . import spares as _spares
 from .comm import agreement
 from .comm.handle import collective
 from . import communicators as _communicators
@@ -117,6 +125,12 @@ def _leave_without_finalize() -> None:
         except Exception:  # noqa: BLE001 (a closed stream must not stop the exit)
             pass
     os._exit(status)
+
+
+def _leave_at_exit() -> None:
+    """From a heal on (a spare's too, joined or not): end without MPI_Finalize (idempotent)."""
+    atexit.unregister(_leave_without_finalize)
+    atexit.register(_leave_without_finalize)
 
 
 def _lost_ranks(old: MPI.Intracomm, world: MPI.Intracomm, named_in=None) -> list[int]:
@@ -198,7 +212,7 @@ class Healer:
     """
 
     def __init__(self, checkpointer: Checkpointer):
-        self.active = ulfm() and runtime.size() > 1
+        self.active = ulfm() and (runtime.size() > 1 or _spares.launched())
         error = None
         try:
             self._check(checkpointer, self.active)
@@ -285,7 +299,10 @@ class Healer:
 
         Heals (collective over the survivors) before the next batch after a lost
         rank, then goes on from the step the survivors agreed on, with the data
-        re-split. ``loader`` must draw from the Checkpointer's sampler, with its
+        re-split. On a spare (``mpidp.stand_by``) it waits until a heal needs it,
+        then trains; if none does, it ends the process (status 0) when the
+        training ends, so the script's lines after the loop run on trainers only.
+        ``loader`` must draw from the Checkpointer's sampler, with its
         ``batch_size``; both are changed in place by a heal.
 
         Raises:
@@ -296,10 +313,15 @@ class Healer:
         self._check_loader(loader)
         sampler = checkpointer.sampler
         while True:
+            if _spares.standing_by() and self._lost is None:
+                self._stand_by()
             if self._lost is not None:
                 self._heal(loader)
+                if _spares.standing_by():
+                    continue
             if checkpointer.steps >= steps:
                 if self._finished():
+                    _spares.release()
                     return
                 continue
             fresh, yielded = sampler.start == 0, 0
@@ -336,6 +358,12 @@ class Healer:
             self._lost_now()
             return False
         return True
+
+    def _stand_by(self) -> None:
+        """A spare waits (``mpidp.spares.wait``): a heal needs it, or the training ended."""
+        if not _spares.wait():
+            raise SystemExit(0)
+        self._lost = time.monotonic()
 
     def _lost_now(self) -> None:
         """Revoke everything at once, so that every survivor fails out of what it waits in."""
@@ -387,11 +415,15 @@ class Healer:
         """Agree, shrink, rebuild, take the state, re-split (collective over the survivors)."""
         detected, self._lost = self._lost, None
         c = self.checkpointer
+        joining = _spares.standing_by()
         old = runtime.world()
-        stuck = _unhealable(c.model, self._zero)
-        whole = agreement.survivors_agree(old, not stuck, "Healer: can every survivor heal?")
-        world = _watchdog.watched("Healer: the world's shrink (MPI_Comm_shrink)", old.Shrink)
-        lost = _lost_ranks(old, world)
+        stuck = [] if joining else _unhealable(c.model, self._zero)
+        whole = joining or agreement.survivors_agree(old, not stuck,
+                                                     "Healer: can every survivor heal?")
+        turn = self._new_world(old, whole, joining)
+        world, lost, joined, whole = turn.world, turn.lost, turn.joined, turn.ok
+        if world is None:  # a spare that stands by still
+            return
         global_batch = c._global_batch()
         unfit = c.sampler.dealing_problem(world.Get_size(), global_batch)
         why, steps = None, None
@@ -400,70 +432,101 @@ class Healer:
         elif unfit:
             why = unfit
         elif self._zero is not None:
-            why, steps = self._zero_step(old, world)
+            why, steps = self._zero_step(world, turn.numbers, turn.size, joining)
         if why is not None:  # the same on every survivor: all raise it, the job ends
             raise RuntimeError(f"mpidp.Healer: rank(s) {lost} of MPI_COMM_WORLD were lost at "
                                f"step {c.steps} and the run cannot go on at "
                                f"{world.Get_size()} ranks: {why}. Resume from the last "
                                f"checkpoint in {c.directory} at a size that fits")
-        if not runtime.healed():
-            atexit.register(_leave_without_finalize)
+        _leave_at_exit()
         runtime.set_world(world)
         _communicators.rebuild_all(world)
         if isinstance(c.model, torch.nn.parallel.DistributedDataParallel):
             _torch_groups.follow(c.model)
         if self._zero is not None:
-            root = self._take_zero_state(world, steps, _lost_ranks(old, world, old))
+            root = self._take_zero_state(world, steps, turn.numbers, joining)
         else:
             if self._snapshot is not None:  # this rank's step failed: back to its start
                 self._restore(self._snapshot)
                 self._snapshot = None
-            root = self._take_state(world)
+            root = self._take_state(world, joining)
         self._resplit(world, global_batch, loader)
         seconds = time.monotonic() - detected
         self.heals.append(dict(step=c.steps, lost=lost, world=world.Get_size(),
-                               seconds=seconds, root=root))
+                               seconds=seconds, root=root, joined=joined))
         if world.Get_rank() == 0:
             whose = (f"the state of rank {root}" if root is not None else
                      "each survivor's own state of that step, the ZeRO shards re-split")
+            if _spares.launched():
+                whose += (f"; spare rank(s) {joined} of MPI_COMM_WORLD took their place, "
+                          f"{_spares.spares_left()} spare(s) left" if joined else
+                          "; no spare left")
             print(f"mpidp: rank(s) {lost} of MPI_COMM_WORLD lost; healed in {seconds:.2f} s, "
                   f"going on at {world.Get_size()} ranks from step {c.steps} ({whose})",
                   flush=True)
 
-    def _take_state(self, world: MPI.Intracomm) -> int:
-        """Every survivor takes the state of the one with the most whole steps (collective)."""
+    def _new_world(self, old: MPI.Intracomm, whole: bool, joining: bool) -> _spares.Replacement:
+        """The survivors shrunk, or with spares the launch's survivors made into a world with a
+        spare in each lost rank's place (``mpidp.spares``); its world is None on a spare that
+        stands by still (collective)."""
+        if not _spares.launched():
+            world = _watchdog.watched("Healer: the world's shrink (MPI_Comm_shrink)", old.Shrink)
+            return _spares.Replacement(world, _lost_ranks(old, world), [], 0, whole,
+                                       _lost_ranks(old, world, old), old.Get_size())
+        _leave_at_exit()
+        turn = _spares.replace(None if joining else old, whole)
+        if turn.done:  # the trainers had finished: a spare leaves as at the end
+            raise SystemExit(0)
+        return turn
+
+    def _take_state(self, world: MPI.Intracomm, joining: bool = False) -> int:
+        """Every rank takes the state of the one with the most whole steps, a survivor rather
+        than a spare that joins with as many (collective). With ZeRO, whose shards come from
+        the survivors' pieces (``_take_zero_state``), the optimizer's hyperparameters only."""
         c = self.checkpointer
-        counts = agreement.watched_allgather(world, c.steps, "Healer: how many steps has each?")
+        counts = agreement.watched_allgather(world, (c.steps, not joining),
+                                             "Healer: how many steps has each?")
         root = counts.index(max(counts))
+        parts = self._parts()
+        if self._zero is not None:
+            parts.pop("optimizer")
         state = None
         if world.Get_rank() == root:
             state = {"position": self._position(), "rng": None,
-                     **{name: obj.state_dict() for name, obj in self._parts().items()}}
+                     **{name: obj.state_dict() for name, obj in parts.items()}}
+            if self._zero is not None:
+                state["zero groups"] = [self._zero._hyper(g) for g in self._zero.param_groups]
         state = collective(world, "bcast", (state, root), "Healer: the state's broadcast")
         module = c._module()
         broadcast_coalesced([*module.parameters(), *module.buffers()], root, comm=world)
         if world.Get_rank() != root:
-            for name, obj in self._parts().items():
+            for name, obj in parts.items():
                 obj.load_state_dict(state[name])
+            for group, hyper in zip(self._zero.param_groups if self._zero else (),
+                                    state.get("zero groups", ())):
+                group.update(hyper)
         c.steps, c._epoch, c._base, c._batches, epoch, start = state["position"]
         c.sampler.epoch, c.sampler.start = epoch, start
         return root
 
-    def _zero_step(self, old: MPI.Intracomm, world: MPI.Intracomm) -> tuple[str | None, int]:
-        """With ZeRO: the step every survivor can go back to, or why there is none (collective).
+    def _zero_step(self, world: MPI.Intracomm, lost: list[int], size: int,
+                   joining: bool) -> tuple[str | None, int]:
+        """With ZeRO: the step every survivor can go back to, or why there is none (collective;
+        ``lost``: the lost ranks' numbers in the old world of ``size`` ranks).
 
         A shard lives on its rank and, as a partner copy, on the next one; so the
         survivors go on from one step whose state each holds a copy of: the
         oldest any of them stands at (a survivor whose step failed went back to
         its start). They differ by at most one step, and each keeps two copies.
+        A joining spare holds none and says so (None).
         """
         mine = self._snapshot["position"][0] if self._snapshot is not None else \
             self.checkpointer.steps
         have = [copy["position"][0] for copy in self._copies]
-        facts = agreement.watched_allgather(world, (mine, have),
+        facts = agreement.watched_allgather(world, None if joining else (mine, have),
                                             "Healer: which steps can each survivor go back to?")
+        facts = [fact for fact in facts if fact is not None]
         steps = min(at for at, _ in facts)
-        lost, size = _lost_ranks(old, world, old), old.Get_size()
         if any(at != steps and steps not in kept for at, kept in facts):
             return (f"the survivors stand at steps {sorted({at for at, _ in facts})} and some "
                     f"hold no copy of step {steps}"), steps
@@ -473,16 +536,23 @@ class Healer:
                     f"ZeroRedundancyOptimizer shards had no other copy"), steps
         return None, steps
 
-    def _take_zero_state(self, world: MPI.Intracomm, steps: int, lost: list[int]) -> None:
-        """Go back to ``steps``, then lay the ZeRO shards out over the survivors (collective)."""
+    def _take_zero_state(self, world: MPI.Intracomm, steps: int, lost: list[int],
+                         joining: bool) -> None:
+        """Go back to ``steps``, then lay the ZeRO shards out over the survivors (collective).
+
+        With spares, a survivor's model, position and hyperparameters go to all first: a
+        joining spare has none of them, and its pieces (of a one-rank layout) are not given.
+        """
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None or snapshot["position"][0] != steps:
             # None: this rank's last step was whole and it stands at ``steps`` already
             snapshot = next((copy for copy in self._copies if copy["position"][0] == steps), None)
-        if snapshot is not None:
+        if snapshot is not None and not joining:
             self._restore(snapshot)
-        pieces = agreement.watched_allgather(world, self._zero._healing.heal_pieces(lost),
-                                             "Healer: the ZeRO shards' states")
+        if _spares.launched():
+            self._take_state(world, joining)
+        mine = [] if joining else self._zero._healing.heal_pieces(lost)
+        pieces = agreement.watched_allgather(world, mine, "Healer: the ZeRO shards' states")
         self._zero._healing.regroup([piece for part in pieces for piece in part])
         return None
 

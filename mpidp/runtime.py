@@ -141,10 +141,11 @@ def thread_level() -> int:
     return MPI.Query_thread()
 
 
-# The world mpidp trains over: MPI.COMM_WORLD, until mpidp.healing replaces it with the
-# survivors of a lost rank (ULFM's shrink). Written only there, by the program's thread,
-# at a moment collective over the survivors.
+# The world mpidp trains over: MPI.COMM_WORLD, until mpidp.spares sets spare ranks aside or
+# mpidp.healing replaces it with the survivors of a lost rank (ULFM's shrink). Written only
+# there, by the program's thread, at a moment collective over the ranks concerned.
 _world: list = []
+_healed = [False]
 
 
 def world() -> MPI.Intracomm:
@@ -155,12 +156,14 @@ def world() -> MPI.Intracomm:
 
 def healed() -> bool:
     """Whether a lost rank was healed here (``world()`` is the survivors)."""
-    return bool(_world)
+    return _healed[0]
 
 
-def set_world(comm: MPI.Intracomm) -> None:
-    """Make ``comm`` (the survivors, collectively shrunk) the world (``mpidp.healing`` only)."""
+def set_world(comm: MPI.Intracomm, *, heal: bool = True) -> None:
+    """Make ``comm`` the world: the survivors, collectively shrunk (``mpidp.healing``), or with
+    ``heal=False`` the ranks that train while spares stand by (``mpidp.spares``)."""
     _world[:] = [comm]
+    _healed[0] = _healed[0] or heal
     errors.judge_losses_over(comm)
 
 

@@ -66,8 +66,8 @@ def _env() -> dict:
                 OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 
-def _ranks_of(launcher: int) -> list[int]:
-    """The pids of heal_train.py's ranks below the launcher, in launch-rank order (by pid)."""
+def _ranks_of(launcher: int, script: str = SCRIPT) -> list[int]:
+    """The pids of ``script``'s ranks below the launcher, in launch-rank order (by pid)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -83,22 +83,28 @@ def _ranks_of(launcher: int) -> list[int]:
             stack.append(pid)
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if SCRIPT.encode() in f.read():
+                    if script.encode() in f.read():
                         found.append(pid)
             except OSError:
                 pass
     return sorted(found)
 
 
-def _launch(command: list[str], outside: tuple | None, timeout: float = 300) -> dict:
-    """Run; with ``outside`` = (after_step, delay), SIGKILL one rank from here. Lines timed."""
+def _launch(command: list[str], outside: tuple | None, timeout: float = 300, kill=None) -> dict:
+    """Run; with ``outside`` = (after_step, delay), SIGKILL one rank from here. Lines timed.
+
+    ``kill(process, lines)``, called after each line instead, kills as it decides and returns
+    the times it did (bench/spare_soak.py); they are the result's ``kills``.
+    """
     process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, errors="replace",
                                start_new_session=True)
-    lines, killed_at, deadline = [], None, time.monotonic() + timeout
+    lines, killed_at, kills, deadline = [], None, [], time.monotonic() + timeout
     try:
         for line in process.stdout:
             lines.append((time.time(), line.rstrip("\n")))
+            if kill is not None:
+                kills = kill(process, lines)
             match = LINE.match(line.strip())
             if outside and match and int(match.group(1)) >= outside[0] and killed_at is None:
                 time.sleep(outside[1])
@@ -111,8 +117,8 @@ def _launch(command: list[str], outside: tuple | None, timeout: float = 300) -> 
         process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        return dict(status="hang", lines=lines, killed_at=killed_at)
-    return dict(status=process.returncode, lines=lines, killed_at=killed_at)
+        return dict(status="hang", lines=lines, killed_at=killed_at, kills=kills)
+    return dict(status=process.returncode, lines=lines, killed_at=killed_at, kills=kills)
 
 
 def _losses(lines) -> dict[int, float]:

@@ -316,3 +316,60 @@ def test_a_reproducible_run_healed_from_4_to_3_ranks_prints_the_uninterrupted_ru
     want = dict(LINE.findall(straight.stdout))
     assert sorted(map(int, want)) == list(range(1, 13))
     assert dict(LINE.findall(healed.stdout)) == want  # a step run again prints its string again
+
+
+# -- spares (mpidp.stand_by): the job keeps its size -------------------------------------
+
+SPARES = ["examples/train_preemptible.py", "--steps", "12", "--save-every", "4"]
+GONE_ON = re.compile(r"^mpidp: rank\(s\) \[(\d+)\] of MPI_COMM_WORLD lost; healed in \S+ s, "
+                     r"going on at (\d+) ranks from step (\d+) \((.*)\)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, str]:
+    """The example's uninterrupted 4-rank run under ULFM: {step: loss string}. ZeRO stage 1's
+    strings are the same as DDP's (Adam is elementwise: a shard steps as the whole would)."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    result = _ulfm_run(_openmpi_python(), 4, [*SPARES, "--checkpoint-dir", str(directory)], 240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    losses = dict(LINE.findall(result.stdout))
+    assert sorted(map(int, losses)) == list(range(1, 13)), result.stdout[-3000:]
+    return losses
+
+
+@pytest.mark.parametrize("extra, spares, first", [
+    ([], 1, None),  # the second loss finds no spare left: 3 ranks from there
+    (["--zero"], 2, 0),
+], ids=["ddp-1-spare-then-none-left", "zero-2-spares-rank-0-first"])
+def test_a_spare_takes_a_killed_ranks_place_and_the_run_prints_the_uninterrupted_strings(
+        tmp_path, uninterrupted, extra, spares, first):
+    """examples/train_preemptible.py --spares K at 4+K ranks: a training rank SIGKILLs itself
+    inside a random collective of its own (MPIDP_TEST_KILL: a bucket's, a fence's, the
+    checkpoint's, the loss average's...), in steps 1-5, and another one later. While a
+    spare is left, it takes the lost rank's number and data and the run goes on at 4 ranks,
+    every step's string the uninterrupted run's; then at 3 ranks, saying no spare is left."""
+    draw = random.Random()
+    seed = draw.randrange(2 ** 32)
+    draw.seed(seed)
+    victims = [draw.randrange(4) if first is None else first]
+    victims.append(draw.choice([rank for rank in range(4) if rank != victims[0]]))
+    # a rank's collectives 1-23 build the model, DDP, Checkpointer, Healer (a loss there ends
+    # the job); then about 5.5 a step: the 24th to the 50th fall in steps 1-5
+    kills = [f"{victims[0]}:{draw.randrange(24, 50)}:", f"{victims[1]}:{draw.randrange(64, 84)}:"]
+    result = _ulfm_run(_openmpi_python(), 4 + spares,
+                       [*SPARES, *extra, "--spares", str(spares),
+                        "--checkpoint-dir", str(tmp_path / "ckpt")], 240,
+                       env={"MPIDP_TEST_KILL": ",".join(kills)})
+    output = result.stdout + result.stderr
+    why = f"MPIDP_TEST_KILL={','.join(kills)} (seed {seed})\n{output[-6000:]}"
+    assert result.returncode == 0, why
+    heals = GONE_ON.findall(result.stdout)
+    assert [int(lost) for lost, *_ in heals] == victims, why
+    sizes = [4, 4] if spares == 2 else [4, 3]
+    assert [int(size) for _, size, _, _ in heals] == sizes, why
+    assert "took their place" in heals[0][3], why
+    assert ("no spare left" in heals[1][3]) == (spares == 1), why
+    got = dict(LINE.findall(result.stdout))  # a step run again prints its string again
+    assert sorted(map(int, got)) == list(range(1, 13)), why
+    same = range(1, 13) if spares == 2 else range(1, int(heals[1][2]) + 1)
+    assert {s: got[str(s)] for s in same} == {s: uninterrupted[str(s)] for s in same}, why

@@ -22,7 +22,7 @@ LAYERS = [
     # trace reads the files stacks writes; cuda agrees on the ranks' GPUs over the engine
     ("runtime", ["runtime", "exits", "topology", "stacks", "trace", "watchdog", "watchdog.*", "sampler"]),
     ("communication", ["comm", "comm.*", "cuda", "objects", "optimizer", "store", "rendezvous",
-                       "backend_choice", "preemption"]),
+                       "backend_choice", "preemption", "spares"]),
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),
     ("backend", ["process_group", "process_group.*"]),
     ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "checkpoint_format",

@@ -238,3 +238,23 @@ def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directo
     checkpointer.close()
     model.close()
     mpidp.communicators.free(optimizer._comm)
+
+
+@pytest.mark.parametrize("spares, message", [
+    (SIZE, f"spares must be an int from 0 to {SIZE - 1}"),
+    (-1, "got -1"),
+    ("1", "got '1'"),
+    (RANK % 2, r"spares differs between ranks: \[0, 1"),
+], ids=["as-many-as-ranks", "negative", "a-string", "differs-between-ranks"])
+def test_stand_by_refuses_bad_spares_on_every_rank_and_leaves_the_world(spares, message):
+    with pytest.raises(ValueError, match=message):
+        mpidp.stand_by(spares=spares)
+    assert mpidp.runtime.world() is MPI.COMM_WORLD and not mpidp.spares.launched()
+
+
+def test_stand_by_comes_before_any_communicator_over_the_world():
+    ddp = mpidp.DistributedDataParallel(_model())
+    with pytest.raises(ValueError, match=r"by \[.*'DistributedDataParallel'.*\]: call stand_by"):
+        mpidp.stand_by(spares=1)
+    assert mpidp.runtime.world() is MPI.COMM_WORLD
+    ddp.close()
