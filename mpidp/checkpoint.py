@@ -20,7 +20,8 @@ directory whose manifest lists files that all exist at their sizes.
 replicated and load at any size; ZeRO shards are re-cut (``load_sharded``);
 the sampler goes on from the same position of the epoch's global order
 (``mpidp.DistributedSampler.resume_from``), which keeps the global batches
-the same as long as the global batch (``batch_size`` x ranks) is, whether
+the same as long as the global batch (``batch_size`` x ranks, or the
+sampler's micro-batches at any count of ranks up to theirs) is, whether
 the loop starts again at epoch 0 or at ``sampler.epoch`` (docs/preemption.md,
 "Which loops go on exactly"). Rank ``r``
 takes rank ``r``'s generators if the saving run had one, else generators
