@@ -200,7 +200,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     parser.add_argument("--buckets", action="store_true",
-                        help="only the per-call rows of filling a DDP bucket (mpidp.ddp.packing)")
+                        help="only the per-call rows of filling a DDP bucket (mpidp.ddp.packing); "
+                             "without it they follow the pack/unpack rows (CUDA)")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
