@@ -322,6 +322,35 @@ def test_bucket_copies_through_the_kernel_or_torch_give_the_cpu_gradients(by_ker
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("how", ["foreach", "kernel"])
+def test_a_batched_bucket_copy_on_the_gpu_gives_the_bits_of_a_copy_per_gradient(how, monkeypatch):
+    """mpidp.ddp.packing on CUDA (never run yet: docs/gpu.md, "Packing the buckets"): one
+    _foreach_copy_, or one kernel launch, per bucket leaves the bits of a copy per gradient."""
+    from mpidp.ddp import packing
+    from mpidp.kernels import _cuda
+    if how == packing.KERNEL:
+        pytest.importorskip("cupy")
+    grads, launched = {}, {}
+    for name in (packing.EACH, how):
+        monkeypatch.setattr(packing, "FORCE", name)
+        _, gpu = twin(mlp)
+        ddp = mpidp.DistributedDataParallel(gpu, device_ids=[DEVICE], bucket_cap_mb=0.001,
+                                            predict_gradient_order=False)  # one layout
+        before = _cuda._function.cache_info()  # every launch looks its kernel up here
+        for step in range(2):
+            gpu.zero_grad()
+            x, y = batches(step)
+            torch.nn.functional.mse_loss(ddp(x.to(DEVICE)), y.to(DEVICE)).backward()
+        after = _cuda._function.cache_info()
+        launched[name] = after.hits + after.misses - before.hits - before.misses
+        grads[name] = [p.grad.clone() for p in gpu.parameters()]
+        buckets = len([b for b in ddp.reducer.layout.buckets if not b.solo])
+        ddp.close()
+    assert all(torch.equal(a, b) for a, b in zip(grads[packing.EACH], grads[how]))
+    if how == packing.KERNEL:  # a pack per bucket and step, beside the copies back
+        assert launched[how] - launched[packing.EACH] == 2 * buckets
+
+
 # -- torch.distributed over the "mpidp" backend, with CUDA tensors ------------------------
 
 
