@@ -262,7 +262,9 @@ PACKING_CASES = {  # name: (model, DDP arguments, zero_grad's set_to_none)
 
 
 # every case batched by _foreach_copy_; the kernel's branch (through mpidp.kernels.pack's torch
-# ops on the CPU) where every gradient of a bucket waits for its copy, and where not
+# ops on the CPU) where every gradient of a bucket waits for its copy, and where not. At 2 and
+# 3 ranks: a division that is exact and one that rounds (1 divides nothing, 4 as 2 does).
+@pytest.mark.skipif(SIZE not in (2, 3), reason="the 2- and 3-rank launches check it")
 @pytest.mark.parametrize("how, case", [(_packing.FOREACH, case) for case in sorted(PACKING_CASES)]
                          + [(_packing.KERNEL, "copy"), (_packing.KERNEL, "view")])
 def test_a_batched_bucket_copy_gives_the_bits_of_a_copy_per_gradient(how, case):
