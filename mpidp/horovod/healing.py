@@ -55,6 +55,9 @@ def adopt(base=None) -> None:
             _communicators.set_rebuild(comm, rebuild)
 
 
+_sets.on_made.append(adopt)  # a set added later follows a heal too
+
+
 def track(optimizer) -> None:
     """Lay ``optimizer``'s buckets out again after a heal (local)."""
     _optimizers[:] = [ref for ref in _optimizers if ref() is not None] + [weakref.ref(optimizer)]

@@ -159,10 +159,14 @@ def add_process_set(process_set) -> ProcessSet:
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     _register(process_set, world)
-    from . import healing  # noqa: PLC0415 (it imports this module)
-
-    healing.adopt()  # its communicators follow a heal
+    for made in on_made:
+        made()
     return process_set
+
+
+# What runs after add_process_set made a set's communicators, on the program's thread:
+# mpidp.horovod.healing adds its adopt (so that they follow a heal) when it is imported.
+on_made: list = []
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

@@ -33,6 +33,7 @@ not mpidp's cannot follow (the heal refuses them, naming them).
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch.distributed as dist
 from mpi4py import MPI
@@ -76,8 +77,19 @@ def raise_lost() -> None:
         raise _lost[0]
 
 
+# Every group the backend made on this rank (the program's thread makes and heals them). Held
+# weakly: a group torch has destroyed leaves. The backend's class is not imported here (the
+# package imports this module), so "is it ours" is "was it adopted".
+_adopted: weakref.WeakSet = weakref.WeakSet()
+
+
+def _is_ours(group) -> bool:
+    return group in _adopted
+
+
 def adopt(group) -> None:
     """Have ``rebuild`` make ``group``'s communicators again after a heal (local)."""
+    _adopted.add(group)
     for comm in (*group._pool.comms, group._chunk_comm, group._mpi):
         _communicators.set_rebuild(comm, rebuild)  # the world, not registered, is left out
 
@@ -92,19 +104,15 @@ def _members(group) -> list[int]:
 
 def _ours() -> list:
     """This rank's groups over "mpidp", the default first (torch's order of making them)."""
-    from . import ProcessGroupMPIDP  # noqa: PLC0415 (the package imports this module)
-
-    return [group for group in _c10d._world.pg_map if isinstance(group, ProcessGroupMPIDP)]
+    return [group for group in _c10d._world.pg_map if _is_ours(group)]
 
 
 def problem() -> str | None:
     """Why torch's groups cannot follow a heal (None: they can, or there are none; local)."""
     if not dist.is_initialized():
         return None
-    from . import ProcessGroupMPIDP  # noqa: PLC0415
-
     default = _c10d._world.default_pg
-    if not isinstance(default, ProcessGroupMPIDP) and _ours():
+    if not _is_ours(default) and _ours():
         return (f"torch.distributed groups over \"mpidp\" under a default group of backend "
                 f"{dist.get_backend()!r}, which cannot be made again")
     return None
@@ -112,10 +120,8 @@ def problem() -> str | None:
 
 def ddp_problem(ddp) -> str | None:
     """Why torch's ``DistributedDataParallel`` ``ddp`` cannot follow a heal (None: it can; local)."""
-    from . import ProcessGroupMPIDP  # noqa: PLC0415
-
     group = ddp.process_group
-    if not isinstance(group, ProcessGroupMPIDP) or group is not _c10d._world.default_pg:
+    if not _is_ours(group) or group is not _c10d._world.default_pg:
         return (f"torch's DistributedDataParallel follows a heal over the default group of "
                 f"\"mpidp\" only, got {group!r}: a group of some ranks is made again over its "
                 f"survivors, and the global batch is the whole world's")
