@@ -140,6 +140,13 @@ class DistributedDataParallel(nn.Module):
             all of them in micro-batch order and divides by their number. Not
             with ``gradient_as_bucket_view``, ``static_graph``, sparse
             gradients, a comm hook or ``join()`` (docs/reproducible.md).
+        micro_batches: with ``reproducible=True``, the number ``M`` of
+            micro-batches of every step (the sampler's ``micro_batches``): each
+            synced step's counts must be ``micro_batch_counts(M, ranks)``, or every
+            rank raises a ValueError. None (default): the first synced step's
+            total fixes ``M`` for the DDP's life (a heal keeps it), so a later
+            step with another total is refused, but that first step is checked
+            only for the shape of the dealing.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -155,7 +162,8 @@ class DistributedDataParallel(nn.Module):
                  first_bucket_mb: float | None = None, predict_gradient_order: bool = True,
                  overlap: str = "auto", chunk_mb: float | None = None,
                  inplace_threshold_mb: float | str | None = "auto", timeout: float | None = None,
-                 shared_memory: bool | None = None, reproducible: bool = False):
+                 shared_memory: bool | None = None, reproducible: bool = False,
+                 micro_batches: int | None = None):
         super().__init__()
         # its forward's bookkeeping calls MPI and keeps Python state: never traced
         runtime.keep_out_of_torch_compile(DistributedDataParallel,
@@ -184,6 +192,8 @@ class DistributedDataParallel(nn.Module):
             _ddp_options.check_flags(optional=True, broadcast_buffers=broadcast_buffers,
                                      shared_memory=shared_memory,
                                      forward_sync_buffers=forward_sync_buffers)
+            _ddp_options.check_micro_batches(micro_batches, reproducible=reproducible,
+                                             world=base.Get_size())
             _args.check_int("dim", dim)
             _args.check_int("pool_size", pool_size, minimum=1)
             _ddp_options.check_overlap(overlap)
@@ -217,7 +227,7 @@ class DistributedDataParallel(nn.Module):
                              chunk_mb=_chunking.CHUNK_MB if chunk_mb is None else chunk_mb,
                              inplace_threshold_mb=inplace_threshold_mb,
                              shared_memory=shared_memory, stragglers=stragglers,
-                             reproducible=reproducible)
+                             reproducible=reproducible, micro_batches=micro_batches)
         self.module = module
         self.device_ids = [device] if device_ids else None
         self.output_device = self.device_ids and device
@@ -231,6 +241,7 @@ class DistributedDataParallel(nn.Module):
         self._timeout = timeout
         self._closed = False
         self._sink = None  # the stage-2 ZeroRedundancyOptimizer fed by the reducer
+        self._kept_micro_batches = None  # reproducible: M as the reducer a heal dropped had it
         self._comm_hooks = CommHooks(self)
         self._joiner = Joiner(self, self._comm_hooks)
         self.pool = self.control = self.reducer = None
@@ -289,6 +300,7 @@ class DistributedDataParallel(nn.Module):
         """
         reducer, self.reducer = self.reducer, None
         if reducer is not None:
+            self._kept_micro_batches = getattr(reducer, "micro_batches", None)
             reducer.close()
         for comm in self._communicators():
             _communicators.release(comm)
@@ -301,8 +313,11 @@ class DistributedDataParallel(nn.Module):
         device = named[0][1].device
         shared = getattr(self, "_node", None) if sink is None and device.type == "cpu" else None
         kind = Reducer if sink is None else functools.partial(ShardedReducer, sink=sink)
-        if self._options["reproducible"]:
-            kind = functools.partial(ReproducibleReducer, sink=sink,
+        if self._options["reproducible"]:  # M: given, else the one the reducer before fixed
+            known = (self._options["micro_batches"] or getattr(self.reducer, "micro_batches", None)
+                     or self._kept_micro_batches)
+            kind = functools.partial(ReproducibleReducer, sink=sink, micro_batches=known,
+                                     given=self._options["micro_batches"] is not None,
                                      training=lambda: self.module.training)
         reducer = kind(named, self.pool, self.control,
                        **_ddp_options.reducer_options(self._options, overlap, shared),

@@ -16,10 +16,11 @@ from .. import _args, runtime, settings
 from . import overlap as _overlap
 from ..comm import shm as _shm
 from ..comm import chunking as _chunking
+from ..sampler import micro_batch_counts
 
-__all__ = ["base_comm", "check_flags", "check_module", "check_overlap", "check_reproducible",
-           "check_sizes", "check_supported", "module_device", "reducer_options",
-           "shared_memory_node", "sparse_names"]
+__all__ = ["base_comm", "check_flags", "check_micro_batches", "check_module", "check_overlap",
+           "check_reproducible", "check_sizes", "check_supported", "module_device",
+           "reducer_options", "shared_memory_node", "sparse_names"]
 
 # torch's arguments that mpidp refuses, and what to use instead
 _UNSUPPORTED = {
@@ -181,6 +182,19 @@ def check_reproducible(*, gradient_as_bucket_view: bool, static_graph: bool,
     if sparse:
         raise ValueError(f"reproducible=True reduces dense gradients only, but {sparse} have "
                          f"sparse gradients (nn.Embedding(sparse=True)); use sparse=False")
+
+
+def check_micro_batches(micro_batches, *, reproducible: bool, world: int) -> None:
+    """Raise ``ValueError`` unless ``micro_batches`` is None, or an int >= 1 given with
+    ``reproducible=True`` that deals to ``world`` ranks (at least one each)."""
+    if micro_batches is None:
+        return
+    _args.check_int("micro_batches", micro_batches, minimum=1)
+    if not reproducible:
+        raise ValueError(f"micro_batches is the number of micro-batches of a step in "
+                         f"reproducible mode; pass it with reproducible=True, got "
+                         f"micro_batches={micro_batches!r} and reproducible=False")
+    micro_batch_counts(micro_batches, world)  # raises for more ranks than micro-batches
 
 
 def check_overlap(overlap) -> None:

@@ -14,8 +14,9 @@ order that depends on the rank count:
 - each micro-batch's gradient is kept apart, in its own row of a ``[k_r, n]``
   store per bucket (``.grad`` is released after each micro-batch, so nothing
   is accumulated in float);
-- the synced forward gathers every rank's ``k_r`` (and checks them against the
-  dealing), so that every rank knows the splits of the exchange;
+- the synced forward gathers every rank's ``k_r`` and checks them against the
+  dealing of ``M`` (given as ``micro_batches``, else fixed by the first synced
+  step's total), so that every rank knows the splits of the exchange;
 - at the synced backward each bucket's rows are exchanged by an alltoall (with
   splits where the ``k_r`` differ), chunk by chunk, so that each rank
   receives, for its block of every chunk (the ``mpidp.ddp.buckets.Shards``
@@ -60,13 +61,18 @@ class ReproducibleReducer(Reducer):
             block of the averages (``grad_target``/``reduced``, as
             ``mpidp.ddp.sharded.ShardedReducer``'s sink), or None: every rank
             gets the whole average in ``.grad``.
+        micro_batches: ``M``, the micro-batches of every step, or None: the
+            first synced step's total fixes it (``self.micro_batches``).
+        given: whether ``M`` is the user's ``micro_batches`` (for the message).
         Otherwise those of ``Reducer``; ``gradient_as_bucket_view``,
         ``predict_order`` and ``solo_bytes`` are forced off (the buckets keep
         one layout, and every gradient goes through one), and no shared memory.
     """
 
-    def __init__(self, named_params, pool, control, *, training, sink=None, **options):
+    def __init__(self, named_params, pool, control, *, training, sink=None,
+                 micro_batches: int | None = None, given: bool = False, **options):
         self.sink = sink
+        self.micro_batches, self._given = micro_batches, given
         self._training = training
         self._rows = 1  # micro-batches per rank the stores hold (they grow)
         self._row = 0  # the micro-batch this rank runs next in the step
@@ -100,10 +106,11 @@ class ReproducibleReducer(Reducer):
     def prepare(self, outputs, sync: bool) -> None:
         """Arm the capture of one micro-batch's gradients; the synced one ends the step.
 
-        The synced forward first gathers every rank's count of micro-batches and
-        whether one failed (one small allgather): the counts must be the
-        dealing of their sum (``micro_batch_counts``) and none may have failed,
-        or every rank raises the same ``ValueError``.
+        The synced forward first gathers every rank's count of micro-batches,
+        whether one failed and the ``M`` it knows (one small allgather): the
+        counts must be the dealing of ``M`` (``micro_batch_counts``; of their
+        sum while no rank knows ``M``, which that sum then fixes) and none may
+        have failed, or every rank raises the same ``ValueError``.
         """
         self.settle()
         if not self._training():  # evaluation with grad enabled (may run on one rank alone)
@@ -129,7 +136,8 @@ class ReproducibleReducer(Reducer):
 
     def _check_step(self) -> None:
         failed, self._local_failed = self._local_failed, False
-        row = np.array([self._row + 1, int(failed)], dtype=np.int64)
+        row = np.array([self._row + 1, int(failed), self.micro_batches or 0, int(self._given)],
+                       dtype=np.int64)
         try:
             table = _agreement.decide_rows(self.control, row, _judge_step,
                                            "DDP(reproducible=True): the micro-batches of the step")
@@ -138,6 +146,7 @@ class ReproducibleReducer(Reducer):
             self._stash.clear()
             raise
         self._counts = table[:, 0].tolist()
+        self.micro_batches = sum(self._counts)  # M, from now on (checked against it if known)
 
     def _on_output_grad(self, step: Step, grad) -> None:
         self._take_aside(step)
@@ -263,15 +272,26 @@ class ReproducibleReducer(Reducer):
 
 
 def _judge_step(table: np.ndarray) -> ValueError | None:
-    """The step's check, on every rank alike: rows of each rank's micro-batches and failure."""
+    """The step's check, on every rank alike: rows of each rank's micro-batches, its failure,
+    the ``M`` it knows (0: none yet; those known are equal) and whether the user gave it."""
     counts, failed = table[:, 0].tolist(), table[:, 1].tolist()
-    dealt = micro_batch_counts(sum(counts), len(counts))  # every count is at least 1
+    known, given = int(table[:, 2].max()), bool(table[:, 3].max())
+    total, world = known or sum(counts), len(counts)
+    dealt = micro_batch_counts(total, world)  # known >= world (checked), and every count >= 1
     if counts == dealt and not any(failed):
         return None
     ran = [f"ran {n} micro-batch(es)" + (", one of whose backward raised" if bad else "")
            for n, bad in zip(counts, failed)]
+    if not known:
+        of = f"{total} (their sum; pass micro_batches= to check the total too)"
+    elif given:
+        of = f"micro_batches={total}"
+    else:
+        of = (f"{total}, the total the first synced step fixed for this DDP's life; "
+              f"DistributedDataParallel(micro_batches=) states it from the first step")
     return ValueError(
         f"DistributedDataParallel(reproducible=True): every rank must run its micro-batches of "
         f"the step as the sampler deals them, as evenly as they divide, the first ranks one "
-        f"more ({sum(counts)} to {len(counts)} ranks: {dealt}; the first ones under no_sync(), "
-        f"the last one outside it), and none may fail; this step: {_agreement.by_rank(ran)}")
+        f"more (micro_batch_counts(M, {world} ranks) = {dealt}, M = {of}; the first ones under "
+        f"no_sync(), the last one outside it), and none may fail; this step: "
+        f"{_agreement.by_rank(ran)}")

@@ -8,6 +8,7 @@ printed losses and the final parameters must be equal, bit for bit.
 
 import contextlib
 import itertools
+import re
 
 import pytest
 import torch
@@ -146,13 +147,54 @@ def test_another_number_of_micro_batches_on_one_rank_raises_on_every_rank():
     with ddp.no_sync():
         for _ in range(1 if RANK == SIZE - 1 else 0):  # the last rank runs one micro-batch more
             F.mse_loss(ddp(x[:MICRO_SIZE]), y[:MICRO_SIZE]).backward()
-    with pytest.raises(ValueError, match=rf"as the sampler deals them.*\({MICRO_BATCHES + 1} "
-                                         rf"to {SIZE} ranks: .*rank {SIZE - 1}: "
+    with pytest.raises(ValueError, match=rf"as the sampler deals them.*micro_batch_counts\(M, "
+                                         rf"{SIZE} ranks\) = .*M = {MICRO_BATCHES + 1} \(their "
+                                         rf"sum.*rank {SIZE - 1}: "
                                          rf"ran {MICRO_BATCHES // SIZE + 1} micro-batch\(es\)"):
         _micro_steps(ddp, x, y)
     ddp.module.zero_grad()
     _micro_steps(ddp, x, y)  # the next step starts afresh on every rank
     assert all(p.grad is not None for p in ddp.parameters())
+    ddp.close()
+
+
+def _step_with_one_more_on_rank_0(ddp, x, y):
+    """A step in which rank 0 runs one micro-batch more: from 2 ranks on, the dealing of one
+    more in all (4 at 2 ranks: [3, 2], the dealing of 5), which only M itself tells apart."""
+    with ddp.no_sync():
+        if RANK == 0:
+            F.mse_loss(ddp(x[:MICRO_SIZE]), y[:MICRO_SIZE]).backward()
+    _micro_steps(ddp, x, y)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs ranks that can disagree")
+def test_one_micro_batch_too_many_that_deals_another_total_raises_on_every_rank():
+    x, y = next(iter(_loader(MPI.COMM_WORLD, torch.float64)))
+    dealt = [MICRO_BATCHES // SIZE + (r < MICRO_BATCHES % SIZE) for r in range(SIZE)]
+    for kind in ("plain", "zero2"):  # given: refused at the first step (stage 2 too)
+        ddp = mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True,
+                                            micro_batches=MICRO_BATCHES)
+        optimizer = _optimizer(ddp, MPI.COMM_WORLD, kind)
+        with pytest.raises(ValueError, match=rf"micro_batch_counts\(M, {SIZE} ranks\) = "
+                                             rf"{re.escape(str(dealt))}, M = micro_batches="
+                                             rf"{MICRO_BATCHES};.*rank 0: ran {dealt[0] + 1} "):
+            _step_with_one_more_on_rank_0(ddp, x, y)
+        optimizer.zero_grad()
+        _micro_steps(ddp, x, y)  # the next step starts afresh on every rank
+        optimizer.step()
+        ddp.close()
+    # not given: the first synced step's total is M for the DDP's life, a heal's rebuild too
+    ddp = mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True)
+    _micro_steps(ddp, x, y)
+    for rebuilt in (False, True):
+        if rebuilt:
+            ddp._rebuild(MPI.COMM_WORLD)  # as mpidp.healing rebuilds it over the survivors
+        assert ddp.reducer.micro_batches == MICRO_BATCHES
+        with pytest.raises(ValueError, match=rf"M = {MICRO_BATCHES}, the total the first "
+                                             rf"synced step fixed.*DistributedDataParallel\("
+                                             rf"micro_batches=\).*rank 0: ran {dealt[0] + 1} "):
+            _step_with_one_more_on_rank_0(ddp, x, y)
+        _micro_steps(ddp, x, y)
     ddp.close()
 
 
@@ -184,6 +226,17 @@ def test_options_it_cannot_honour_raise_on_every_rank():
                                       reproducible=True)
     with pytest.raises(TypeError, match=r"reproducible must be a bool, got 1"):
         mpidp.DistributedDataParallel(_model(torch.float64), reproducible=1)
+    with pytest.raises(ValueError, match=r"micro_batches must be an int >= 1, got 0"):
+        mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True, micro_batches=0)
+    with pytest.raises(ValueError, match=r"pass it with reproducible=True, got micro_batches=4 "
+                                         r"and reproducible=False"):
+        mpidp.DistributedDataParallel(_model(torch.float64), micro_batches=4)
+    if SIZE > 1:
+        with pytest.raises(ValueError, match=rf"micro_batches must be at least the number of "
+                                             rf"ranks.*got micro_batches={SIZE - 1} for "
+                                             rf"num_replicas={SIZE}"):
+            mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True,
+                                          micro_batches=SIZE - 1)
     with mpidp.DistributedDataParallel(_model(torch.float64), reproducible=True) as ddp:
         with pytest.raises(RuntimeError, match=r"join\(\) is not supported with reproducible"):
             with ddp.join():
