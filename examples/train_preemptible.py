@@ -87,7 +87,9 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(args.dropout),
                           nn.Linear(32, 1)).to(dtype)
     # mpidp: averages gradients over the ranks
-    ddp = mpidp.DistributedDataParallel(model, reproducible=args.reproducible)
+    ddp = mpidp.DistributedDataParallel(  # mpidp: micro_batches makes every step's count checked
+        model, reproducible=args.reproducible,
+        micro_batches=args.micro_batches if args.reproducible else None)
     if args.zero:  # mpidp: each rank keeps a shard of the optimizer state
         optimizer = mpidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01,
                                                   stage=args.zero_stage)
