@@ -174,7 +174,7 @@ def wait(operation, *, deadline: float | None = None):
     """
     if operation._request is None:
         return operation._result
-    if driving():
+    if _driver_ident is not None and threading.get_ident() == _driver_ident:  # driving()
         poll(operation._test, deadline)
         return operation._result
     if deadline is not None and operation._test():
