@@ -16,7 +16,8 @@ prints one line per launch, then matched/total and the times from the kill
 to the heal's line (the spare training again) and the Healer's own figure.
 
 ``--cost``: launches of 4 ranks, 4+1 and 4+2 with the spares idle, interleaved,
-no pace: the median time between two steps' lines over 300 steps, each.
+no pace, 300 steps: the time per step from step 50 to 250 (rank 0's lines as they
+reach this process), and the CPU seconds each rank used meanwhile.
 Needs the Open MPI environment of tests/test_healing.py (``.venv-ompi``).
 """
 
@@ -141,22 +142,40 @@ def soak(args) -> int:
     return 0 if matched == counted else 1
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cost(args) -> int:
-    """The median time between two step lines at 4 ranks, 4+1 and 4+2 (spares idle)."""
+    """The time per step from the 50th step's line to the 250th at 4 ranks, 4+1 and 4+2
+    (spares idle), and the CPU seconds each rank used in between."""
     times: dict[int, list[float]] = {0: [], 1: [], 2: []}
     for _ in range(args.launches):
         for spares in times:
+            cpu: dict[int, dict[int, float]] = {}  # at step 50, 250: {launch rank: CPU s}
+
+            def read_cpu(process, lines) -> list[float]:
+                step = LINE.match(lines[-1][1])
+                if step is not None and int(step.group(1)) in (50, 250):
+                    cpu[int(step.group(1))] = {_launch_rank(pid): _cpu_seconds(pid)
+                                               for pid in _ranks_of(process.pid, SCRIPT)}
+                return []
+
             with tempfile.TemporaryDirectory() as directory:
-                result = _launch(_command(4 + spares, directory, "--steps", "300", "--samples",
-                                          "7200", "--spares", str(spares)), [])
+                result = _run(_command(4 + spares, directory, "--steps", "300", "--samples",
+                                       "7200", "--spares", str(spares)), None, 400, read_cpu)
             stamps = [t for t, text in result["lines"] if LINE.match(text)]
             assert result["status"] == 0 and len(stamps) == 300, result["lines"][-20:]
-            gaps = [b - a for a, b in zip(stamps[50:], stamps[51:])]  # past the start-up
-            times[spares].append(statistics.median(gaps))
-            print(f"spares={spares}: median step {times[spares][-1] * 1e3:.3f} ms", flush=True)
+            times[spares].append((stamps[249] - stamps[49]) / 200)  # past the start-up
+            used = {rank: round(cpu[250][rank] - cpu[50][rank], 2) for rank in sorted(cpu[250])}
+            print(f"spares={spares}: {times[spares][-1] * 1e3:.3f} ms a step; CPU s by launch "
+                  f"rank from step 50 to 250: {used}", flush=True)
     base = statistics.median(times[0])
     for spares, values in times.items():
-        print(f"spares={spares}: median of launch medians {statistics.median(values) * 1e3:.3f} ms "
+        print(f"spares={spares}: median over launches {statistics.median(values) * 1e3:.3f} ms "
               f"({statistics.median(values) / base - 1:+.1%} against none), over {len(values)}")
     return 0
 

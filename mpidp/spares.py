@@ -53,6 +53,7 @@ the world (a DDP, a Checkpointer, the default pool).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 
 from mpi4py import MPI
@@ -78,6 +79,7 @@ _OWNER = "mpidp.spares: the launch's ranks, spares included"
 _launch: list = []  # the launch's communicator: a duplicate of COMM_WORLD, then its shrinks
 _spare = [False]  # this rank stands by
 _left = [0]  # how many spares stand by
+_released = [False]  # a trainer's release() ran
 
 
 def stand_by(spares: int) -> bool:
@@ -124,6 +126,8 @@ def stand_by(spares: int) -> bool:
     world = launch.Split(0 if rank < trainers else rank, rank)
     _spare[0], _left[0] = rank >= trainers, spares
     runtime.set_world(world, heal=False)
+    if not _spare[0]:  # a trainer that leaves otherwise (a preemption's stop) lets them go too
+        atexit.register(release)
     return not _spare[0]
 
 
@@ -173,10 +177,12 @@ def release() -> None:
     trainer that then ends (without MPI_Finalize after a heal: to ULFM, a lost rank)
     cannot fail a spare's first one. A failure in the first (a rank lost at the
     very end) goes through ``replace`` with every trainer done, which the spares
-    take as the end. A no-op without spares.
+    take as the end. Runs once: from ``Healer.batches()`` at the end, else at
+    exit (a stop for a preemption). A no-op without spares.
     """
-    if not _launch or _spare[0]:
+    if not _launch or _spare[0] or _released[0]:
         return
+    _released[0] = True
     comm = _launch[0]
     try:  # nonblocking, as the spares' (MPI matches no blocking call with a nonblocking one)
         ibarrier(comm=comm).wait()
@@ -246,6 +252,9 @@ def replace(world: MPI.Intracomm | None, ok: bool = True, *, done: bool = False)
     if any(role == "done" for role, _ in roles):
         return Replacement(None, [], [], _left[0], True, done=True)
     trainers = {role[0]: role for role, _ in roles if role is not None}
+    if not trainers:
+        raise RuntimeError("mpidp spares: every training rank was lost; resume from the last "
+                           "checkpoint")
     members = next(iter(trainers.values()))[1]
     lost = [number for number in range(len(members)) if number not in trainers]
     spares = [index for index, (role, _) in enumerate(roles) if role is None]
@@ -253,8 +262,9 @@ def replace(world: MPI.Intracomm | None, ok: bool = True, *, done: bool = False)
     number = me[0] if me is not None else takes.get(launch.Get_rank())
     new = launch.Split(MPI.UNDEFINED if number is None else 0, number or 0)
     _left[0] = len(spares) - len(takes)
-    if number is not None:
+    if number is not None and _spare[0]:  # joined: leaves as the trainers do
         _spare[0] = False
+        atexit.register(release)
     return Replacement(None if number is None else new, [members[n] for n in lost],
                        [roles[index][1] for index in takes], _left[0],
                        all(role[2] for role in trainers.values()), lost, len(members))
