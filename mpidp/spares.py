@@ -43,7 +43,9 @@ What happens, in order:
    its process (status 0) instead of returning to the script.
 
 Without ULFM the spares stand by the same way and leave at the end; a lost
-rank ends the job, as without spares.
+rank ends the job, as without spares. Tested with mpidp's DDP and ZeRO stage 1
+(tests/test_healing.py); a SyncBatchNorm, torch.distributed groups over
+"mpidp" and mpidp.horovod are not yet tested with spares.
 
 Rules (docs/concurrency.md): ``stand_by``, ``wait``, ``replace`` and
 ``release`` run on the program's thread; the launch's communicator is used by
