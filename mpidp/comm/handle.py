@@ -67,6 +67,17 @@ def issue(comm: MPI.Intracomm, name: str, args, label=None) -> MPI.Request:
     return request
 
 
+def issue_recorded(comm: MPI.Intracomm, name: str, args, label, record: tuple) -> tuple:
+    """``issue``, with the flight recorder's entry made first: ``(request, ticket)``.
+
+    For an engine operation whose buffer is not a tensor (a backend call's check, Horovod's
+    control message): ``record`` is what the recorder notes, ``(call, count, dtype, extra,
+    scope)``, and the ticket goes to the ``Operation`` that completes it.
+    """
+    ticket = _recorder.started(comm, *record)
+    return issue(comm, name, args, label), ticket
+
+
 # Blocking forms that Open MPI 5.0.11 under ULFM (mpirun --with-ft ulfm) may complete with
 # MPI_SUCCESS without moving any data when a rank of ``comm`` dies during them: MPI_Allgatherv
 # returned success on some or all survivors with the receive buffer untouched in 5 of 5

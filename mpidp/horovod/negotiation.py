@@ -49,11 +49,10 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from .. import recorder as _recorder
 from ..comm import agreement as _agreement
 from ..comm import progress as _engine
 from ..comm.dtypes import _DTYPES
-from ..comm.handle import issue
+from ..comm.handle import issue_recorded
 from ..comm.operation import Operation
 from . import names as _names
 from . import process_sets as _sets
@@ -167,9 +166,9 @@ class Control(Operation):
         self.size = process_set.control.Get_size()
         _rounds[process_set] = _rounds.get(process_set, 0) + 1
         label = f"hvd {KIND_NAMES[kind]} (control message)"
-        ticket = _recorder.started(process_set.control, "hvd control", words.size, "int64")
-        request = issue(process_set.control, "Allreduce",
-                        (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.BOR), label)
+        request, ticket = issue_recorded(
+            process_set.control, "Allreduce", (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.BOR),
+            label, ("hvd control", words.size, "int64"))
         super().__init__(request, words, words, label=label, scope=None, ticket=ticket)
 
     def message(self) -> Descriptor:

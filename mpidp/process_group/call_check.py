@@ -14,7 +14,6 @@ import torch
 from mpi4py import MPI
 
 from .. import comm as _comm
-from .. import recorder as _recorder
 from ..comm import checks as _checks
 from ..comm import handle as _handle
 from ..comm.operation import Operation
@@ -51,9 +50,9 @@ class CallCheck(Operation):
         self.reduced = np.frombuffer(bytearray(self._own), np.int64)
         label = (call + " (its call check)", tensor)  # formatted only in a report
         comm = _comm._collective_comm(pool)
-        ticket = _recorder.started(comm, "call check", 10, "int64", (), call)
-        request = _handle.issue(comm, "Allreduce",
-                                (MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX), label)
+        request, ticket = _handle.issue_recorded(
+            comm, "Allreduce", (MPI.IN_PLACE, [self.reduced, MPI.INT64_T], MPI.MAX), label,
+            ("call check", 10, "int64", (), call))
         # no watchdog scope: the operation's own label says it all
         super().__init__(request, self.reduced, self.reduced, label=label, scope=None,
                          ticket=ticket)

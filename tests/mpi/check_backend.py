@@ -978,3 +978,16 @@ def test_debug_mode_size_mismatch_raises_on_every_rank():
     finally:
         comm.checks._DEBUG = saved
     still_in_step()
+
+
+def test_a_calls_check_is_in_the_flight_record_and_ended():
+    """The call check starts through the engine with its recorder entry (comm.handle.issue_recorded)."""
+    if dist.get_world_size() == 1:
+        pytest.skip("no call check at one rank")
+    before = {entry["ticket"] for entry in mpidp.recorder.entries()}
+    tensor = torch.ones(5)
+    dist.all_reduce(tensor)
+    checks = [entry for entry in mpidp.recorder.entries()
+              if entry["ticket"] not in before and entry["op"] == "call check"]
+    assert checks and all(entry["end"] for entry in checks), checks
+    assert checks[-1]["what"] == "allreduce", checks  # the call it checks

@@ -800,3 +800,14 @@ def test_training_example_resumes_from_rank_0s_checkpoint(tmp_path):
     assert Path(checkpoint).exists() == (hvd.rank() == 0)
     resumed = example.main(["--epochs", "2", "--checkpoint", checkpoint, "--resume"])
     assert resumed == example.main(["--epochs", "2"])
+
+
+def test_a_control_message_is_in_the_flight_record_and_ended():
+    """Horovod's negotiation starts its control allreduce through the engine, recorded."""
+    before = {entry["ticket"] for entry in mpidp.recorder.entries()}
+    hvd.allreduce(torch.ones(3), name="recorded control")
+    controls = [entry for entry in mpidp.recorder.entries()
+                if entry["ticket"] not in before and entry["op"] == "hvd control"]
+    if hvd.size() == 1:
+        return
+    assert controls and all(entry["end"] for entry in controls), controls
