@@ -89,8 +89,8 @@ def describe(slot, record, frames: dict) -> str:
     """
     label, _, scope, waiting = record
     text = label_text(label)
-    if waiting:
-        text = f"i{text} (Handle.wait)"
+    if waiting:  # a tensor collective's name in its nonblocking form; a text as it is
+        text = f"{'i' if isinstance(label, tuple) else ''}{text} (Handle.wait)"
     if scope is not None:
         text = f"{scope}: {text}"
     # A helper thread (the thread strategy's, autograd's device threads) has no user
