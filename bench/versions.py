@@ -2,6 +2,7 @@
 
     python bench/versions.py 145e12b 8d46a97 .            # '.': the working tree
     python bench/versions.py 145e12b . --models mlp --passes 5 --no-allreduce
+    python bench/versions.py 3a057ee . --models --passes 9   # the backend's all_reduce only
 
 For each pass, each model and each version: ``mpiexec -n 2 train_bench.py`` (the
 version's own benchmark and ``mpidp``, from a ``git worktree`` of it) with the modes
@@ -11,7 +12,8 @@ backend; left out where that version's benchmark has no such mode), then
 alternate within every pass, so machine noise hits all alike. Prints, per model and
 mode, each version's median step over the passes, its ratio to the local (compute
 only) step of the same launch, and its ratio to the first version's; the backend's
-all_reduce per size likewise. Raw lines go to ``--out`` (JSON lines). A regression
+all_reduce per size likewise, and each method's ratio to raw mpi4py in the same launch
+(which machine load moves far less than the times themselves). Raw lines go to ``--out`` (JSON lines). A regression
 such as mlp's 1.18x (issue 17) shows as a ratio to the first version above 1.
 """
 
@@ -68,7 +70,7 @@ def launch(tree: Path, script: str, *args: str, out: Path) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revs", nargs="+", help="git revisions; '.' is the working tree")
-    parser.add_argument("--models", nargs="+", default=["mlp", "wide", "cnn"])
+    parser.add_argument("--models", nargs="*", default=["mlp", "wide", "cnn"])
     parser.add_argument("--modes", nargs="+", default=["local", "mpidp", "ddp-mpidp"])
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
@@ -80,6 +82,7 @@ def main() -> int:
     steps: dict = {}  # (model, mode, rev) -> [median_ms per pass]
     ratios: dict = {}  # (model, mode, rev) -> [median / local median per pass]
     allreduce: dict = {}  # (bytes, method, rev) -> [us per pass]
+    raw_mpi: dict = {}  # (bytes, method, rev) -> [us / mpi4py's us, same launch, per pass]
     with open(args.out, "a") as raw:
         for n in range(args.passes):
             for model in args.models:
@@ -104,6 +107,9 @@ def main() -> int:
                 for r in launch(tree, "backend_bench.py", "allreduce", out=scratch):
                     for method, us in r["us"].items():
                         allreduce.setdefault((r["bytes"], method, rev), []).append(us)
+                        if r["us"].get("mpi4py"):
+                            raw_mpi.setdefault((r["bytes"], method, rev), []).append(
+                                us / r["us"]["mpi4py"])
                     raw.write(json.dumps(dict(r, rev=rev, pass_=n)) + "\n")
     print(f"\nstep time, median of {args.passes} passes (ms); x local: over the compute-only "
           "step of the same launch; then over the first version that has the mode")
@@ -124,8 +130,8 @@ def main() -> int:
                 cells.append(f"{ms:8.1f} ({vs_local:4.2f}x l, {vs_first:4.2f}x)")
             print(f"{model:<8} {mode:<10} " + " ".join(cells))
     if allreduce:
-        print("\nbackend all_reduce per call, median of passes (us), x: over the first version "
-              "that has it")
+        print("\nbackend all_reduce per call, median of passes (us); x: over the first version "
+              "that has it; r: over raw mpi4py in the same launch")
         for size in sorted({key[0] for key in allreduce}):
             for method in sorted({key[1] for key in allreduce if key[0] == size}):
                 cells = []
@@ -133,10 +139,13 @@ def main() -> int:
                     values = allreduce.get((size, method, rev))
                     base = next((allreduce[(size, method, r)] for r in args.revs
                                  if (size, method, r) in allreduce), None)
-                    cells.append(f"{'-':>18}" if not values else
-                                 f"{statistics.median(values):9.1f} ({statistics.median(values) / statistics.median(base):4.2f}x)"
-                                 if base else f"{statistics.median(values):9.1f}")
-                print(f"{size:>10} B {method:<8} " + " ".join(cells))
+                    if not values:
+                        cells.append(f"{'-':>28}")
+                        continue
+                    us = statistics.median(values)
+                    raw = statistics.median(raw_mpi.get((size, method, rev), [float("nan")]))
+                    cells.append(f"{us:9.1f} ({us / statistics.median(base):4.2f}x, {raw:5.2f}r)")
+                print(f"{size:>10} B {method:<11} " + " ".join(cells))
     return 0
 
 
