@@ -69,8 +69,8 @@ from .comm import ibarrier
 from .comm import progress as _progress
 from .comm.handle import collective
 
-__all__ = ["stand_by", "standing_by", "launched", "spares_left", "wait", "replace", "release",
-           "Replacement"]
+__all__ = ["stand_by", "standing_by", "launched", "spares_left", "trainers", "joined", "numbering",
+           "renumbered", "wait", "replace", "release", "Replacement"]
 
 # A spare tests its barrier with sleeps up to 50 ms from the start (the engine's back-off,
 # without its spin): no core held, and woken well within the heal's other costs.
@@ -81,7 +81,10 @@ _OWNER = "mpidp.spares: the launch's ranks, spares included"
 _launch: list = []  # the launch's communicator: a duplicate of COMM_WORLD, then its shrinks
 _spare = [False]  # this rank stands by
 _left = [0]  # how many spares stand by
+_trainers = [0]  # the launch's ranks less its spares: the world a spare joins
 _released = [False]  # a trainer's release() ran
+_joined = [False]  # this rank was a spare until the last replace
+_numbering: list = []  # the last replace's old world's numbers -> ranks of the new world
 
 
 def stand_by(spares: int) -> bool:
@@ -126,7 +129,7 @@ def stand_by(spares: int) -> bool:
     rank, trainers = launch.Get_rank(), size - spares
     _launch[:] = [_communicators.made(launch.Dup(), _OWNER, rebuild=_kept)]
     world = launch.Split(0 if rank < trainers else rank, rank)
-    _spare[0], _left[0] = rank >= trainers, spares
+    _spare[0], _left[0], _trainers[0] = rank >= trainers, spares, trainers
     runtime.set_world(world, heal=False)
     if not _spare[0]:  # a trainer that leaves otherwise (a preemption's stop) lets them go too
         atexit.register(release)
@@ -150,6 +153,40 @@ def standing_by() -> bool:
 def spares_left() -> int:
     """How many spares stand by now (as of this rank's last ``stand_by`` or ``replace``)."""
     return _left[0]
+
+
+def trainers() -> int:
+    """The size of the world a spare joins: the launch's ranks less the spares (a spare stands
+    by only while no heal has shrunk the world); 0 without spares."""
+    return _trainers[0]
+
+
+def joined() -> bool:
+    """Whether this rank stood by until the last ``replace`` and joined the world there (local):
+    it holds no state of the old world, and its owners take the survivors' facts."""
+    return _joined[0]
+
+
+def numbering() -> list:
+    """The last ``replace``'s old world's ranks as ranks of the new world, None where one was
+    lost with no spare left: a spare counts as the rank whose place it took (the same on
+    every rank of the new world, joined spares included)."""
+    return list(_numbering)
+
+
+def renumbered(old: MPI.Comm, world: MPI.Intracomm) -> list:
+    """``old``'s ranks as ranks of the healed ``world``, None for a lost one (local).
+
+    ``old``: the world before the heal or a communicator over the same ranks in the same
+    order (its duplicate). With spares, ``numbering()`` (the same on every rank, on a
+    joined spare too, whose own ``old`` is its one-rank world); without, the ranks'
+    translation.
+    """
+    if launched():
+        return numbering()
+    translated = MPI.Group.Translate_ranks(old.Get_group(), list(range(old.Get_size())),
+                                           world.Get_group())
+    return [None if rank == MPI.UNDEFINED else rank for rank in translated]
 
 
 def wait() -> bool:
@@ -264,7 +301,10 @@ def replace(world: MPI.Intracomm | None, ok: bool = True, *, done: bool = False)
     number = me[0] if me is not None else takes.get(launch.Get_rank())
     new = launch.Split(MPI.UNDEFINED if number is None else 0, number or 0)
     _left[0] = len(spares) - len(takes)
-    if number is not None and _spare[0]:  # joined: leaves as the trainers do
+    kept = sorted([*trainers, *lost[:len(takes)]])
+    _numbering[:] = [kept.index(n) if n in kept else None for n in range(len(members))]
+    _joined[0] = number is not None and _spare[0]
+    if _joined[0]:  # joined: leaves as the trainers do
         _spare[0] = False
         atexit.register(release)
     return Replacement(None if number is None else new, [members[n] for n in lost],

@@ -36,8 +36,8 @@ def _initialized(fact):
 
 
 def _base(comm) -> MPI.Intracomm:
-    if comm is None:
-        return MPI.COMM_WORLD
+    if comm is None:  # mpidp's world: the trainers where spares stand by (mpidp.stand_by)
+        return _runtime.world()
     if isinstance(comm, MPI.Intracomm):
         return comm
     if isinstance(comm, (list, tuple)):
@@ -57,7 +57,8 @@ def init(comm=None, process_sets=None) -> None:
     """Start Horovod's state over ``comm`` (collective; a second call does nothing).
 
     Args:
-        comm: None (``MPI.COMM_WORLD``), an mpi4py communicator (duplicated), or a
+        comm: None (mpidp's world: ``MPI.COMM_WORLD``, or the ranks that train where
+            spares stand by, ``mpidp.stand_by``), an mpi4py communicator (duplicated), or a
             list of ``MPI.COMM_WORLD`` ranks (called on those ranks only).
         process_sets: ``ProcessSet``s to register, the same on every rank, or
             "dynamic" (sets may be added later, as they always may here).

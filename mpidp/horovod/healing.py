@@ -26,6 +26,8 @@ from mpi4py import MPI
 
 from .. import communicators as _communicators
 from .. import runtime as _runtime
+from .. import spares as _spares
+from ..comm import agreement as _agreement
 from ..comm.handle import collective
 from . import process_sets as _sets
 from . import state as _state_module
@@ -74,11 +76,17 @@ def follows(optimizer) -> bool:
 def rebuild(world: MPI.Intracomm) -> None:
     """Horovod's world, process sets and optimizers again over ``world`` (collective over it;
     ``mpidp.communicators.rebuild_all`` calls it once per heal)."""
-    old = _state.world
-    kept = MPI.Group.Translate_ranks(old.Get_group(), list(range(old.Get_size())),
-                                     world.Get_group())
+    kept = _spares.renumbered(_state.world, world)
     _state_module.forget_all()  # pending handles: their step is taken back
-    sets = [s for _, s in sorted(_sets._registry.items())]
+    # the survivors' sets (a joined spare's were registered as it stood by: its facts are none)
+    mine = None if _spares.joined() else {number: s.ranks for number, s in _sets._registry.items()}
+    table = _survivors_sets(_agreement.watched_allgather(
+        world, mine, "hvd process sets after a heal: which are there?"))
+    for number, ranks in table.items():
+        if number not in _sets._registry:  # one a joined spare did not register
+            _sets._registry[number] = _sets.ProcessSet(ranks)
+    entries = sorted(_sets._registry.items())
+    sets = [s for _, s in entries]
     for comm in _comms():
         _communicators.release(comm)
     for process_set in sets:
@@ -94,10 +102,11 @@ def rebuild(world: MPI.Intracomm) -> None:
     sizes = collective(hvd_world, "allgather", (_state.local.Get_size(),),
                        "hvd.init (node sizes) after a heal")
     _state.homogeneous = len(set(sizes)) == 1
-    for process_set in sets:
-        ranks = [kept[r] for r in process_set.ranks if kept[r] != MPI.UNDEFINED]
-        number = process_set.process_set_id
-        if not ranks:  # every member lost: the set is gone
+    for number, process_set in entries:
+        ranks = [kept[r] for r in table.get(number, ()) if kept[r] is not None]
+        if process_set is _sets.global_process_set:
+            ranks = list(range(world.Get_size()))
+        if not ranks:  # every member lost (or a set the survivors do not hold): gone
             del _sets._registry[number]
             process_set.process_set_id = None
             continue
@@ -111,3 +120,9 @@ def rebuild(world: MPI.Intracomm) -> None:
         if optimizer is not None:
             optimizer._layout()
     adopt()
+
+
+def _survivors_sets(facts: list) -> dict:
+    """The process sets' ranks by id, from the survivors' registries (the judge of each rank's
+    ``{id: ranks}``, None on a joined spare); the survivors' are alike."""
+    return next((sets for sets in facts if sets is not None), {})

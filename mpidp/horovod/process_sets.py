@@ -19,6 +19,7 @@ from .. import _args
 from ..comm import agreement as _agreement
 from ..ddp import options as _ddp_options
 from .. import communicators as _communicators
+from .. import spares as _spares
 from . import state as _state
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
@@ -117,17 +118,21 @@ def _register(process_set: ProcessSet, world: MPI.Intracomm) -> ProcessSet:
     ranks = process_set.ranks
     if process_set._given is not None:
         ranks = _translate(process_set._given, world)
+    # a spare (mpidp.stand_by) names the ranks of the world it may join, and is in no set
+    # until it joins: a heal that lets it in makes the sets' communicators (healing.rebuild)
+    spare = _spares.standing_by()
+    size = _spares.trainers() if spare else world.Get_size()
     problem = None
     if process_set.process_set_id is not None:
         problem = f"{process_set} is registered already"
-    elif ranks is not None and ranks[-1] >= world.Get_size():
-        problem = f"ranks {ranks} go beyond the {world.Get_size()} ranks of hvd.init's communicator"
+    elif ranks is not None and ranks[-1] >= size:
+        problem = f"ranks {ranks} go beyond the {size} ranks of hvd.init's communicator"
     elif ranks is not None and any(p.ranks == ranks for p in _registry.values()):
         problem = f"a process set with ranks {ranks} is registered already"
     every = _agreement.decide(world, (problem, ranks), _judge_ranks,
                               "add_process_set (ranks check)")
     process_set.ranks = next(r for _, r in every if r is not None)
-    comm = world.Create_group(world.Get_group().Incl(process_set.ranks))
+    comm = MPI.COMM_NULL if spare else world.Create_group(world.Get_group().Incl(process_set.ranks))
     process_set._attach(comm, max(_registry, default=-1) + 1)
     _registry[process_set.process_set_id] = process_set
     return process_set

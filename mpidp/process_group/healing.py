@@ -40,13 +40,15 @@ from mpi4py import MPI
 
 from .. import communicators as _communicators
 from .. import errors as _errors
+from .. import spares as _spares
 from ..comm import agreement
 
-__all__ = ["adopt", "rebuild", "healed", "follow", "problem", "ddp_problem", "arm", "takes",
-           "raise_lost"]
+__all__ = ["adopt", "rebuild", "healed", "group_over", "follow", "problem", "ddp_problem", "arm",
+           "takes", "raise_lost"]
 
 _c10d = dist.distributed_c10d
 _replaced: dict = {}  # an old group -> the group made for it by a heal (None: no survivor)
+_over: dict = {}  # the last heal's new groups by their ranks (group_over)
 _armed: list = []  # a Healer that can heal is there (arm)
 _lost: list = []  # lost-rank errors a future did not carry (takes), until raise_lost
 
@@ -115,7 +117,23 @@ def problem() -> str | None:
     if not _is_ours(default) and _ours():
         return (f"torch.distributed groups over \"mpidp\" under a default group of backend "
                 f"{dist.get_backend()!r}, which cannot be made again")
+    store = _shared_store(default)
+    if _is_ours(default) and store is not None:
+        return (f"torch.distributed's store is shared ({store}), but a heal makes torch's groups "
+                f"again over a process-local one: the shared store's keys live on rank 0 alone "
+                f"(a lost rank 0 takes them, spares or not: a spare takes its number, not its "
+                f"keys) and its clients cannot move onto the survivors mid-operation; give "
+                f"mpidp.init_process_group store=\"local\" in a job that heals")
     return None
+
+
+def _shared_store(default) -> str | None:
+    """The kind of the default group's store under its prefixes, None where it is
+    process-local (a ``HashStore``: ``store="local"``)."""
+    store = _c10d._world.pg_map[default][1]
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return None if isinstance(store, dist.HashStore) else type(store).__name__
 
 
 def ddp_problem(ddp) -> str | None:
@@ -155,12 +173,13 @@ def rebuild(world: MPI.Intracomm) -> None:
     default = _c10d._world.default_pg
     old = default._mpi
     names = [_c10d._world.pg_names[group] for group in groups[1:]]
-    mine = [(name, _members(group), _seconds(group)) for name, group in zip(names, groups[1:])]
+    # a joined spare's groups were over its world of one rank: the survivors' are the groups
+    mine = [] if _spares.joined() else [(name, _members(group), _seconds(group))
+                                        for name, group in zip(names, groups[1:])]
     union = {name: (members, seconds) for facts in agreement.watched_allgather(
         world, mine, "torch.distributed groups after a heal: which are there?")
         for name, members, seconds in facts}
-    translated = MPI.Group.Translate_ranks(old.Get_group(), list(range(old.Get_size())),
-                                           world.Get_group())
+    translated = _spares.renumbered(old, world)
     why = ("a heal replaced it after a lost rank: use mpidp.process_group.healing.healed(group) "
            "for the group over the survivors")
     for group in groups:
@@ -171,13 +190,17 @@ def rebuild(world: MPI.Intracomm) -> None:
                             world_size=world.Get_size(),
                             **_timeout(seconds))
     _replaced[default] = _c10d._world.default_pg
-    made = {}
+    made, over = {}, {}
     for name in sorted(union):
         members, seconds = union[name]
-        ranks = [translated[r] for r in members if translated[r] != MPI.UNDEFINED]
+        ranks = [translated[r] for r in members if translated[r] is not None]
         made[name] = dist.new_group(ranks, **_timeout(seconds)) if ranks else None
+        if isinstance(made[name], dist.ProcessGroup):
+            over[tuple(ranks)] = made[name]
+    _over.clear()
+    _over.update(over)
     for name, group in zip(names, groups[1:]):
-        new = made[name]
+        new = made.get(name)  # None on a joined spare for its own groups
         _replaced[group] = new if isinstance(new, dist.ProcessGroup) else None
 
 
@@ -193,10 +216,27 @@ def healed(group):
     return group
 
 
+def group_over(ranks):
+    """The group the last heal made over ``ranks`` (of the world now), or None (local).
+
+    For a spare that joined (``mpidp.stand_by``): it stood by outside the groups the
+    trainers made, so it holds none for ``healed`` to follow; the heal that let it in
+    made them all on it too, their members numbered as before (it took a lost rank's
+    number). ``healed`` follows the group through later heals.
+    """
+    return _over.get(tuple(sorted(ranks)))
+
+
 def follow(ddp) -> None:
     """Move torch's ``DistributedDataParallel`` onto the group that replaced its own (local).
 
     torch's ``_update_process_group`` resets its reducer and rebuilds its buckets
-    at the next backward, with the new group's size as the divisor.
+    at the next backward, with the new group's size as the divisor. With spares, a
+    joined spare's buckets are still those of its construction, which torch keeps
+    for the first step (the survivors' were laid out by their first backward): so
+    every rank is given its parameters to lay out now, and the next forward's
+    rebuild takes rank 0's layout on all of them (torch's ``sync_bucket_indices``).
     """
     ddp._update_process_group(healed(ddp.process_group))
+    if _spares.launched():
+        ddp.reducer._push_all_rebuilt_params()

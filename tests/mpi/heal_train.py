@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import heal_model  # noqa: E402 (tests/, beside this folder)
 
 LAUNCH_RANK = mpidp.rank()
+SLOT = [None]  # this rank's number at its first step (a spare's: the lost rank's it took)
 
 
 def _die(where: str) -> None:
@@ -78,17 +79,16 @@ def _arm(kills: dict, checkpointer, ddp) -> None:
 
 
 def _odd_ranks_group_follows(group) -> None:
-    """After any heal: torch's world is mpidp's, and the group of the launch's odd ranks holds
-    its survivors (a line with WRONG says otherwise)."""
+    """After any heal: torch's world is mpidp's, and the group of the odd ranks at launch holds
+    its survivors and the spares in their places (a line with WRONG says otherwise)."""
     from mpidp.process_group.healing import healed
 
-    launch_ranks = mpidp.allgather_object(LAUNCH_RANK)
-    odd = [r for r in launch_ranks if r % 2]
+    odd = [r for r in mpidp.allgather_object(SLOT[0]) if r % 2]
     group, wrong = healed(group), []
     if (dist.get_rank(), dist.get_world_size()) != (mpidp.rank(), mpidp.size()):
         wrong.append(f"torch's rank and size {dist.get_rank()}/{dist.get_world_size()}")
-    if LAUNCH_RANK % 2:
-        total = torch.tensor([float(LAUNCH_RANK)])
+    if SLOT[0] % 2:
+        total = torch.tensor([float(SLOT[0])])
         dist.all_reduce(total, group=group)
         if total.item() != sum(odd) or dist.get_world_size(group) != len(odd):
             wrong.append(f"the odd ranks' group: sum {total.item()}, size "
@@ -98,14 +98,17 @@ def _odd_ranks_group_follows(group) -> None:
 
 
 def _odd_ranks_set_follows(odd_set) -> None:
-    """After any heal: Horovod's world is mpidp's, and the process set of the launch's odd
-    ranks holds its survivors (a line with WRONG says otherwise)."""
-    odd = [r for r in mpidp.allgather_object(LAUNCH_RANK) if r % 2]
+    """After any heal: Horovod's world is mpidp's, and the process set of the odd ranks at
+    launch holds its survivors and the spares in their places (a line with WRONG says
+    otherwise)."""
+    odd = [r for r in mpidp.allgather_object(SLOT[0]) if r % 2]
     wrong = []
     if (hvd.rank(), hvd.size()) != (mpidp.rank(), mpidp.size()):
         wrong.append(f"Horovod's rank and size {hvd.rank()}/{hvd.size()}")
+    if odd_set.included() != bool(SLOT[0] % 2):
+        wrong.append(f"in the odd ranks' set: {odd_set.included()}")
     if odd_set.included():
-        total = hvd.allreduce(torch.tensor([float(LAUNCH_RANK)]), op=hvd.Sum,
+        total = hvd.allreduce(torch.tensor([float(SLOT[0])]), op=hvd.Sum,
                               process_set=odd_set)
         if total.item() != sum(odd) or odd_set.size() != len(odd):
             wrong.append(f"the odd ranks' set: sum {total.item()}, size {odd_set.size()}, "
@@ -136,10 +139,15 @@ def main() -> None:
     parser.add_argument("--horovod", action="store_true",
                         help="the module stepped by mpidp.horovod's DistributedOptimizer (its "
                              "world, process sets and optimizer follow a heal)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="the launch's last ranks stand by (mpidp.stand_by) to take a lost "
+                             "rank's place")
     parser.add_argument("--torch-ddp", action="store_true",
                         help="torch's DistributedDataParallel over the \"mpidp\" backend (its "
                              "default group is made again over the survivors by a heal)")
     args = parser.parse_args()
+    trains = mpidp.stand_by(spares=args.spares)
+    odd_ranks = list(range(1, mpidp.spares.trainers() or mpidp.size(), 2))
     kills = {}
     for kill in args.kill:
         rank, step, where = kill.split(":")
@@ -181,11 +189,16 @@ def main() -> None:
     checkpointer.resume()
     healer = mpidp.Healer(checkpointer)
     _arm(kills, checkpointer, ddp)
-    odd = dist.new_group(list(range(1, mpidp.size(), 2))) if args.torch_ddp else None
-    odd_set = hvd.add_process_set(list(range(1, mpidp.size(), 2))) if args.horovod else None
+    # a spare is in no group until it joins: the heal that lets it in makes them (group_over)
+    odd = dist.new_group(odd_ranks) if args.torch_ddp and trains else None
+    odd_set = hvd.add_process_set(odd_ranks) if args.horovod else None  # a spare's too
     for x, y in healer.batches(loader, steps=args.steps):
+        if SLOT[0] is None:
+            SLOT[0] = mpidp.rank()
+            if args.torch_ddp and not trains:
+                odd = mpidp.process_group.healing.group_over(odd_ranks)
         with healer.guard():
-            if odd is not None:
+            if args.torch_ddp:
                 _odd_ranks_group_follows(odd)
             if odd_set is not None:
                 _odd_ranks_set_follows(odd_set)
