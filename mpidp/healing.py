@@ -87,6 +87,7 @@ from . import watchdog as _watchdog
 from .checkpoint import Checkpointer
 from .ddp.data_parallel import DistributedDataParallel
 from .ddp.replica import broadcast_coalesced
+from .process_group import fsdp as _fsdp
 from .process_group import healing as _torch_groups
 from .zero import ZeroRedundancyOptimizer
 
@@ -177,6 +178,39 @@ def _copy(state, into=None):
                            for t in leaves], spec)
 
 
+def _fsdp_common_step(facts: list, lost: list[int], size: int) -> tuple[str | None, int | None]:
+    """(why the FSDP2 survivors cannot go on, or None; the step they go back to), from each
+    survivor's ``(its old rank, steps it holds its own shards of, steps it holds the previous
+    rank's of)`` and the lost ranks' numbers in the old world of ``size`` ranks."""
+    neighbours = [rank for rank in lost if (rank + 1) % size in lost]
+    if neighbours:
+        return (f"ranks {neighbours} and the next of each were lost together: their FSDP2 "
+                f"shards had no other copy"), None
+    common = set.intersection(*(set(own) for _, own, _ in facts))
+    partners = {rank: set(theirs) for rank, _, theirs in facts}
+    for rank in lost:
+        common &= partners[(rank + 1) % size]
+    if not common:
+        return (f"no step of which every survivor holds its own FSDP2 shards and the partner "
+                f"copies of lost ranks {lost}"), None
+    return None, max(common)
+
+
+def _rebuilt_problem(made, scheduler) -> str | None:
+    """What is wrong with ``rebuild()``'s ``made`` (None: nothing; local)."""
+    if not isinstance(made, tuple) or len(made) != 3:
+        return f"got {type(made).__name__} {made!r:.80}"
+    model, optimizer, new_scheduler = made
+    if not _fsdp.is_fsdp(model):
+        return f"its model is a {type(model).__name__}, not torch's FSDP2 (fully_shard)"
+    if (new_scheduler is None) != (scheduler is None):
+        return (f"its scheduler must be None exactly where the Checkpointer's is, got "
+                f"{type(new_scheduler).__name__} for {type(scheduler).__name__}")
+    if new_scheduler is not None and getattr(new_scheduler, "optimizer", None) is not optimizer:
+        return "its scheduler must schedule the optimizer it returns"
+    return _fsdp.problem(model, optimizer)
+
+
 class Healer:
     """Keep a ``Checkpointer``'s training going at N-1 ranks when a rank is lost (ULFM).
 
@@ -188,20 +222,28 @@ class Healer:
             ``DistributedDataParallel`` over the world as its model (or torch's
             over the default group of ``"mpidp"``, ``mpidp.process_group.healing``,
             or a module stepped by ``mpidp.horovod``'s ``DistributedOptimizer``,
-            ``mpidp.horovod.healing``) and an ``mpidp.DistributedSampler`` with
-            ``batch_size``.
+            ``mpidp.horovod.healing``, or torch's FSDP2 over that group with
+            ``rebuild``) and an ``mpidp.DistributedSampler`` with ``batch_size``.
+        rebuild: with torch's FSDP2 (``fully_shard``) only, and then required: a callable
+            that makes the model, its optimizer and LR scheduler again over the default
+            group of the moment and returns ``(model, optimizer, scheduler)`` (scheduler
+            None where the Checkpointer has none). A heal calls it on every survivor,
+            loads the state of the step it goes back to into what it returns, and puts
+            them in the Checkpointer, where the loop takes them at each batch
+            (``mpidp.process_group.fsdp``, docs/healing.md).
 
     Attributes:
         active: whether this job can heal (``ulfm()`` and more than one rank).
         heals: one dict per heal: ``step``, ``lost`` (their ranks in ``MPI.COMM_WORLD``),
             ``world`` (the ranks after), ``seconds`` (from this rank's detection
             to the end of the heal), ``root`` (whose state was taken; None with
-            ZeRO, where each survivor takes back its own).
+            ZeRO and FSDP2, where each survivor takes back its own).
 
     Raises:
         TypeError, ValueError: on every rank: not a Checkpointer, or one without
-            a sampler; and, where this job can heal, what cannot: torch's FSDP
-            or a DDP over a group of its own, a ``ZeroRedundancyOptimizer`` in stage 2 or over a
+            a sampler; ``rebuild`` without FSDP2; and, where this job can heal, what
+            cannot: torch's FSDP2 without ``rebuild``, with spares or over another group,
+            a DDP over a group of its own, a ``ZeroRedundancyOptimizer`` in stage 2 or over a
             communicator of its own (stage 1 over the world heals: its
             constructor here starts the partner copies, collectively), a DDP
             over a communicator other than the world, a second DDP or ZeRO, or
@@ -211,11 +253,11 @@ class Healer:
             it cannot heal, the loop is the plain one whatever trains in it.
     """
 
-    def __init__(self, checkpointer: Checkpointer):
+    def __init__(self, checkpointer: Checkpointer, *, rebuild=None):
         self.active = ulfm() and (runtime.size() > 1 or _spares.launched())
         error = None
         try:
-            self._check(checkpointer, self.active)
+            self._check(checkpointer, self.active, rebuild)
         except (TypeError, ValueError) as caught:
             error = caught
         comm = checkpointer._comm if isinstance(checkpointer, Checkpointer) else runtime.world()
@@ -225,20 +267,28 @@ class Healer:
             checkpointer.optimizer, ZeroRedundancyOptimizer) else None
         if self._zero is not None:
             self._zero.keep_partner_copy()
+        self._rebuild = rebuild
+        self._fsdp = _fsdp.Shards(checkpointer.model, checkpointer.optimizer) if (
+            self.active and _fsdp.is_fsdp(checkpointer.model)) else None
         if self.active:
             _torch_groups.arm()
         self.heals: list[dict] = []
         self._lost: float | None = None  # when this rank met the lost rank, until the heal
         self._snapshot: dict | None = None  # the state at the start of the step in guard()
         # the last copies, oldest first, whose memory the next ones reuse: one, or with ZeRO
-        # two (its survivors go back to the oldest step they all can, _take_zero_state)
+        # or FSDP2 two (their survivors go back to a step they all can, _take_zero_state)
         self._copies: list[dict] = []
 
     @staticmethod
-    def _check(checkpointer, active: bool) -> None:
+    def _check(checkpointer, active: bool, rebuild=None) -> None:
         if not isinstance(checkpointer, Checkpointer):
             raise TypeError(f"checkpointer must be an mpidp.Checkpointer, got "
                             f"{type(checkpointer).__name__}")
+        fsdp = _fsdp.is_fsdp(checkpointer.model)
+        if rebuild is not None and (not callable(rebuild) or not fsdp):
+            raise TypeError(f"rebuild must be a callable, given with a model of torch's FSDP2 "
+                            f"(fully_shard) only, got {type(rebuild).__name__} with a "
+                            f"{type(checkpointer.model).__name__}")
         if checkpointer.sampler is None:
             raise ValueError("Healer needs the Checkpointer's sampler and batch_size, to "
                              "deal the batches (and re-split them after a lost rank)")
@@ -249,6 +299,8 @@ class Healer:
             problem = _torch_groups.ddp_problem(model)
             if problem:
                 raise ValueError(f"Healer: {problem}")
+        elif fsdp:
+            Healer._check_fsdp(model, checkpointer.optimizer, rebuild)
         elif not isinstance(model, DistributedDataParallel):
             if not _horovod_trains(checkpointer.optimizer):
                 raise TypeError(f"Healer heals mpidp.DistributedDataParallel, torch's over "
@@ -271,6 +323,19 @@ class Healer:
                              f"(what a heal rebuilds: "
                              f"docs/healing.md#what-a-heal-cannot-carry-on-with)")
 
+    @staticmethod
+    def _check_fsdp(model, optimizer, rebuild) -> None:
+        if rebuild is None:
+            raise ValueError("Healer: torch's FSDP2 needs rebuild=, a callable that makes the "
+                             "model, optimizer and scheduler again over the survivors (FSDP2 "
+                             "cannot shard a module again over another group), got None")
+        if _spares.launched():
+            raise ValueError("Healer: torch's FSDP2 does not follow a heal with spare ranks "
+                             "yet (mpidp.stand_by(spares=K) with K > 0); launch without spares")
+        problem = _fsdp.problem(model, optimizer)
+        if problem:
+            raise ValueError(f"Healer: {problem}")
+
     # -- the loop ------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -284,6 +349,13 @@ class Healer:
             yield
             return
         self._snapshot = self._capture()
+        if self._fsdp is not None:  # the partner copy of this step's start
+            try:
+                self._fsdp.exchange(self.checkpointer._comm, self._snapshot["fsdp"])
+            except Exception as error:
+                if not _errors.lost_rank(error):
+                    raise
+                self._lost_now()  # the step's first collective fails, and it is taken back
         try:
             yield
             _torch_groups.raise_lost()  # one torch's DDP could not be told of in its backward
@@ -377,6 +449,8 @@ class Healer:
     def _parts(self) -> dict:
         checkpointer = self.checkpointer
         optimizer = checkpointer.optimizer if self._zero is None else self._zero._healing.local_state()
+        if self._fsdp is not None:  # its shards are in the copy's "fsdp"
+            optimizer = None
         parts = {"optimizer": optimizer, "scheduler": checkpointer.scheduler,
                  "scaler": checkpointer.scaler}
         parts.update({f"extra:{name}": obj for name, obj in checkpointer.extra.items()})
@@ -389,11 +463,14 @@ class Healer:
     def _capture(self) -> dict:
         """This rank's state at the start of a step, copied (the step changes it in place)
         into the memory of the oldest copy kept."""
-        keep = 1 if self._zero is None else 2
+        keep = 1 if self._zero is None and self._fsdp is None else 2
         last = self._copies[0] if len(self._copies) >= keep else {}
-        module = self.checkpointer._module()
-        copy = {"model": _copy(module.state_dict(), last.get("model")),
-                "rng": generators.states(), "position": self._position(),
+        if self._fsdp is not None:
+            model = {"fsdp": self._fsdp.capture(self.checkpointer._comm.Get_size(),
+                                                last.get("fsdp"))}
+        else:
+            model = {"model": _copy(self.checkpointer._module().state_dict(), last.get("model"))}
+        copy = {**model, "rng": generators.states(), "position": self._position(),
                 **{name: _copy(obj.state_dict(), last.get(name))
                    for name, obj in self._parts().items()}}
         self._copies = [*self._copies[len(self._copies) - keep + 1:], copy]
@@ -402,7 +479,8 @@ class Healer:
     def _restore(self, snapshot: dict) -> None:
         self._copies = []  # the optimizer may now hold these very tensors: copy afresh
         c = self.checkpointer
-        c._module().load_state_dict(snapshot["model"])
+        if "model" in snapshot:  # FSDP2's comes whole from every rank's (_take_fsdp_state)
+            c._module().load_state_dict(snapshot["model"])
         for name, obj in self._parts().items():
             obj.load_state_dict(snapshot[name])
         generators.restore(snapshot["rng"])
@@ -433,6 +511,8 @@ class Healer:
             why = unfit
         elif self._zero is not None:
             why, steps = self._zero_step(world, turn.numbers, turn.size, joining)
+        elif self._fsdp is not None:
+            why, steps = self._fsdp_step(world, turn.numbers, turn.size, old.Get_rank())
         if why is not None:  # the same on every survivor: all raise it, the job ends
             raise RuntimeError(f"mpidp.Healer: rank(s) {lost} of MPI_COMM_WORLD were lost at "
                                f"step {c.steps} and the run cannot go on at "
@@ -445,6 +525,8 @@ class Healer:
             _torch_groups.follow(c.model)
         if self._zero is not None:
             root = self._take_zero_state(world, steps, turn.numbers, joining)
+        elif self._fsdp is not None:
+            root = self._take_fsdp_state(world, steps, turn.numbers, old.Get_rank())
         else:
             if self._snapshot is not None:  # this rank's step failed: back to its start
                 self._restore(self._snapshot)
@@ -456,7 +538,8 @@ class Healer:
                                seconds=seconds, root=root, joined=joined))
         if world.Get_rank() == 0:
             whose = (f"the state of rank {root}" if root is not None else
-                     "each survivor's own state of that step, the ZeRO shards re-split")
+                     f"each survivor's own state of that step, the "
+                     f"{'ZeRO' if self._zero is not None else 'FSDP2'} shards re-split")
             if _spares.launched():
                 whose += (f"; spare rank(s) {joined} of MPI_COMM_WORLD took their place, "
                           f"{_spares.spares_left()} spare(s) left" if joined else
@@ -555,6 +638,52 @@ class Healer:
         pieces = agreement.watched_allgather(world, mine, "Healer: the ZeRO shards' states")
         self._zero._healing.regroup([piece for part in pieces for piece in part])
         return None
+
+    def _fsdp_step(self, world: MPI.Intracomm, lost: list[int], size: int,
+                   rank: int) -> tuple[str | None, int | None]:
+        """With FSDP2: the newest step of which every survivor holds its own shards and the
+        next rank of each lost one that rank's partner copy, or why there is none (collective;
+        ``lost``: the lost ranks' numbers in the old world of ``size`` ranks, ``rank`` this
+        rank's there)."""
+        own = [copy["position"][0] for copy in self._copies]
+        theirs = [copy["position"][0] for copy in self._copies
+                  if copy["fsdp"]["theirs"] is not None]
+        _, verdict = agreement.judged(world, (rank, own, theirs),
+                                      lambda facts: _fsdp_common_step(facts, lost, size),
+                                      "Healer: which FSDP2 shards does each survivor hold?")
+        return verdict
+
+    def _take_fsdp_state(self, world: MPI.Intracomm, steps: int, lost: list[int],
+                         rank: int) -> None:
+        """Make the FSDP2 model and optimizer again with ``rebuild`` and load into them the
+        whole state of ``steps``, from the survivors' shards and the lost ranks' partner
+        copies (collective); the rest of that step's state from this rank's own copy."""
+        c = self.checkpointer
+        snapshot = next(copy for copy in self._copies if copy["position"][0] == steps)
+        self._snapshot = None
+        shards = snapshot["fsdp"]
+        size = shards["size"]
+        mine = [(rank, shards["mine"].cpu())]
+        if (rank - 1) % size in lost:
+            mine.append(((rank - 1) % size, shards["theirs"].cpu()))
+        pieces = agreement.watched_allgather(world, mine, "Healer: the FSDP2 shards' states")
+        model_state, optimizer_state = _fsdp.whole_state(
+            shards, dict(piece for part in pieces for piece in part))
+        made, error = None, None
+        try:
+            made = self._rebuild()
+            problem = _rebuilt_problem(made, c.scheduler)
+            if problem:
+                raise ValueError(f"Healer: rebuild() must return (model, optimizer, scheduler) "
+                                 f"over the survivors: {problem}")
+        except Exception as caught:  # noqa: BLE001 (every survivor raises the first one's)
+            error = caught
+        agreement.agree(world, error, "Healer: did rebuild() make the FSDP2 model on every rank?")
+        model, optimizer, scheduler = made
+        _fsdp.load(model, optimizer, model_state, optimizer_state)
+        c.model, c.optimizer, c.scheduler = model, optimizer, scheduler
+        self._fsdp = _fsdp.Shards(model, optimizer)
+        self._restore(snapshot)  # the scheduler, generators, position... into the new ones
 
     def _resplit(self, world: MPI.Intracomm, global_batch: int, loader: DataLoader) -> None:
         """The same global order from the agreed position, dealt to the survivors (local)."""

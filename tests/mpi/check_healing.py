@@ -240,38 +240,6 @@ def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directo
     mpidp.communicators.free(optimizer._comm)
 
 
-@pytest.mark.parametrize("store", ["mpi", "tcp", "local"])
-def test_a_shared_store_is_refused_on_every_rank_and_says_why(directory, monkeypatch, store):
-    """Where the job can heal (ULFM forced here): torch.distributed over a shared store (the
-    MPI store, the default, or TCP) is refused on every rank, saying why and what to give:
-    a heal makes torch's groups again over a process-local store, and the shared store's
-    keys live on rank 0 alone. ``store="local"`` is accepted."""
-    import torch.distributed as dist
-
-    monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
-    mpidp.init_process_group("mpidp", store=store)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(_model())
-        checkpointer = mpidp.Checkpointer(
-            directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            sampler=mpidp.DistributedSampler(_data()), batch_size=2, signals=())
-        try:
-            if store == "local":
-                assert mpidp.Healer(checkpointer).active
-            else:
-                kind = {"mpi": "MPIStore", "tcp": "TCPStore"}[store]
-                with pytest.raises(ValueError, match=rf"store is shared \({kind}\).*keys live on "
-                                                     rf"rank 0 alone.*store=\"local\""):
-                    mpidp.Healer(checkpointer)
-        finally:
-            checkpointer.close()
-    finally:
-        dist.destroy_process_group()
-        if store == "mpi" and SIZE > 1:  # its first use took the store's rebuild for good:
-            # give it back, as in a process whose store was never used (the next tests heal)
-            communicators.set_rebuild(mpidp.store._shared.comm, mpidp.store._rebuild)
-
-
 @pytest.mark.parametrize("spares, message", [
     (SIZE, f"spares must be an int from 0 to {SIZE - 1}"),
     (-1, "got -1"),
@@ -290,3 +258,79 @@ def test_stand_by_comes_before_any_communicator_over_the_world():
         mpidp.stand_by(spares=1)
     assert mpidp.runtime.world() is MPI.COMM_WORLD
     ddp.close()
+
+
+def test_fsdp2_over_the_default_group_keeps_partner_copies_and_bad_input_is_refused_everywhere(
+        directory, monkeypatch):
+    """Where the job can heal (ULFM forced here): torch's FSDP2 needs ``rebuild=`` (given on
+    one rank only: refused on every rank), over the default group of "mpidp" only, with an
+    optimizer of its parameters; ``rebuild=`` with anything else is refused even where
+    nothing heals. Accepted, ``guard()`` copies this rank's shards and receives the previous
+    rank's, bit for bit, and the copies of all ranks make the whole state (mpidp/process_group/fsdp.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from mpidp.process_group import fsdp
+
+    def sharded(mesh=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+        fully_shard(model[0], mesh=mesh)  # 5 and 1 rows: uneven and empty shards
+        return fully_shard(model, mesh=mesh)
+
+    def healer(model, optimizer, **options):
+        checkpointer = mpidp.Checkpointer(directory, model=model, optimizer=optimizer,
+                                          sampler=mpidp.DistributedSampler(_data()),
+                                          batch_size=2, signals=())
+        try:
+            return mpidp.Healer(checkpointer, **options), checkpointer
+        except BaseException:
+            checkpointer.close()
+            raise
+
+    with pytest.raises(TypeError, match="rebuild must be a callable, given with a model of "
+                                        "torch's FSDP2 .fully_shard. only, got function"):
+        healer(_model(), None, rebuild=_model)  # ULFM or not
+    monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
+    mpidp.init_process_group("mpidp", store="local")
+    try:
+        make = lambda: None  # noqa: E731 (never called: nothing is lost here)
+        model = sharded()
+        # each rank over a group of its own (torch's DeviceMesh names the group of the first
+        # mesh made over some ranks for every later mesh over them: not the whole world here)
+        alone = [dist.new_group([rank]) for rank in range(SIZE)][RANK]
+        other = sharded(DeviceMesh.from_group(alone, "cpu"))
+        with pytest.raises(ValueError, match="FSDP2 follows a heal over the default group of "
+                                             ".mpidp. only .fully_shard without mesh=., got"):
+            healer(other, torch.optim.Adam(other.parameters()), rebuild=make)
+        with pytest.raises(ValueError, match="FSDP2 needs rebuild=, a callable .*, got None"):
+            healer(model, torch.optim.Adam(model.parameters()), rebuild=make if RANK else None)
+        with pytest.raises(ValueError, match="the optimizer must step the FSDP2 model's"):
+            healer(model, torch.optim.Adam(list(model.parameters())[1:]), rebuild=make)
+
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        heal, checkpointer = healer(model, optimizer, rebuild=make)
+        assert heal.active and heal._fsdp is not None
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(RANK), dtype=torch.float64)
+        for _ in range(3):  # the third step's start: Adam has state, the last copy is of it
+            with heal.guard():
+                optimizer.zero_grad()
+                model(x).square().mean().backward()
+                optimizer.step()
+        with heal.guard():  # copies the state after the third step
+            pass
+        copy = heal._copies[-1]["fsdp"]
+        mines = mpidp.allgather_object(copy["mine"])
+        if SIZE > 1:
+            assert torch.equal(copy["theirs"], mines[(RANK - 1) % SIZE])
+        whole_model, whole_optimizer = fsdp.whole_state(copy, dict(enumerate(mines)))
+        for name, param in model.named_parameters():
+            assert torch.equal(whole_model[name], param.full_tensor().detach())
+            for key, value in optimizer.state[param].items():
+                value = value.full_tensor() if hasattr(value, "full_tensor") else value
+                assert torch.equal(whole_optimizer["state"][name][key], value)
+        assert [g["params"] for g in whole_optimizer["param_groups"]] == \
+            [[name for name, _ in model.named_parameters()]]
+        checkpointer.close()
+    finally:
+        dist.destroy_process_group()
