@@ -193,28 +193,53 @@ def _strings(output: str) -> dict[str, str]:
     return dict(LINE.findall(output))
 
 
-def test_torch_ddp_and_groups_over_mpidp_follow_heals_and_a_sigterm_after_them_resumes(tmp_path,
-                                                                                    reference):
-    """torch's DistributedDataParallel over "mpidp" (mpidp/process_group/healing.py): rank 2
-    dies inside a bucket's allreduce of step 5 (torch's reducer reads its futures in C++, which
-    crashes on a failed one) and rank 1 in its backward of step 14; the default group and a new_group of the odd
-    ranks are made again over the survivors each time (4 -> 3 -> 2 ranks) and the run follows
-    the reference. The same run stopped by SIGTERM at step 18, after both heals, saves over
-    the 2 survivors and exits 75; resumed at 2 ranks it prints the uninterrupted run's strings,
-    bit for bit."""
-    kills = {"MPIDP_TEST_KILL": "2:9:allreduce op=sum dtype=float64"}
-    extra = ["--torch-ddp", "--kill", "1:14:backward"]
-    whole = _ulfm(4, tmp_path / "a", extra=extra, env=kills)
+def _at_first_size(output: str) -> dict[str, str]:
+    """The last string of each step printed before the first heal that changed the size."""
+    heals = list(HEALED.finditer(output))
+    shrunk = next((h.start() for h in heals if int(h.group(3)) != int(heals[0].group(3))),
+                  len(output))
+    return _strings(output[:shrunk])
+
+
+def _uninterrupted(directory: Path, extra: list[str]) -> dict[str, str]:
+    """heal_train.py's strings at 4 ranks with nothing lost (steps 1-16: a spare's run is at 4
+    ranks until its second loss, at step 14 here)."""
+    result = _ulfm(4, directory, extra=[*extra, "--steps", "16"])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return _strings(result.stdout)
+
+
+def test_torch_ddp_groups_and_syncbatchnorm_follow_a_spare_then_heals_and_a_sigterm_resumes(
+        tmp_path, reference_with_batchnorm):
+    """torch's DistributedDataParallel over "mpidp" (mpidp/process_group/healing.py) with an
+    mpidp.SyncBatchNorm, launched at 4+1 ranks (--spares 1): rank 3 dies inside a bucket's
+    allreduce (torch's reducer reads its futures in C++, which crashes on a failed one) and
+    the spare takes its place, in the new_group of the odd ranks too (group_over); rank 1 dies
+    in its backward of step 14, with no spare left (4 -> 4 -> 3 ranks). The default group and
+    the odd ranks' group are made again each time, the SyncBatchNorm's channel too. Every
+    string at 4 ranks is the uninterrupted 4-rank run's; every loss follows the reference. The
+    same run stopped by SIGTERM at step 18, after both heals, saves over the 3 survivors and
+    exits 75; resumed at 3 ranks it prints the whole run's strings, bit for bit."""
+    kills = {"MPIDP_TEST_KILL": "3:9:allreduce op=sum dtype=float64"}
+    extra = ["--torch-ddp", "--syncbn"]
+    spared = [*extra, "--spares", "1", "--kill", "1:14:backward"]
+    whole = _ulfm(5, tmp_path / "a", extra=spared, env=kills)
     output = whole.stdout + whole.stderr
     assert whole.returncode == 0 and "WRONG" not in output, output[-6000:]
     found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(whole.stdout)]
-    assert found == [(2, 3, 4), (1, 2, 13)], output[-6000:]
-    _check_losses(whole.stdout, reference)
-    stopped = _ulfm(4, tmp_path / "b", extra=[*extra, "--sigterm", "3:18"], env=kills)
+    assert [(r, w) for r, w, _ in found] == [(3, 4), (1, 3)] and found[1][2] == 13, \
+        output[-6000:]
+    assert "took their place" in whole.stdout and "no spare left" in whole.stdout
+    _check_losses(whole.stdout, reference_with_batchnorm)
+    at_four = _at_first_size(whole.stdout)
+    assert sorted(map(int, at_four)) == list(range(1, 14)), whole.stdout[-3000:]
+    expected = _uninterrupted(tmp_path / "c", extra)
+    assert at_four == {step: expected[step] for step in at_four}
+    stopped = _ulfm(5, tmp_path / "b", extra=[*spared, "--sigterm", "2:18"], env=kills)
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode == 75, output[-6000:]
     assert "mpidp: stopped at step 18 (rank 1: SIGTERM)" in stopped.stdout, output[-6000:]
-    resumed = _ulfm(2, tmp_path / "b", extra=["--torch-ddp"])
+    resumed = _ulfm(3, tmp_path / "b", extra=extra)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
     first, then = _strings(stopped.stdout), _strings(resumed.stdout)
     assert sorted(map(int, first)) == list(range(1, 19)), stopped.stdout[-3000:]
@@ -222,20 +247,29 @@ def test_torch_ddp_and_groups_over_mpidp_follow_heals_and_a_sigterm_after_them_r
     assert {**first, **then} == _strings(whole.stdout)
 
 
-def test_horovod_world_process_sets_and_optimizer_follow_heals(tmp_path, reference):
-    """mpidp.horovod (mpidp/horovod/healing.py): a module stepped by hvd.DistributedOptimizer
-    loses rank 2 in its forward of step 5, rank 3 inside a bucket's shared-memory allreduce of
-    step 10 and rank 1 in its backward of step 14 (4 -> 3 -> 2 -> 1 ranks): hvd.size() and
-    hvd.rank() are the survivors', the process set of the odd ranks holds its surviving members
-    (and is gone with the last), and the run follows the reference."""
-    result = _ulfm(4, tmp_path / "ckpt", "2:5:forward", "1:14:backward", extra=["--horovod"],
-                   env={"MPIDP_TEST_KILL": "3:40:allreduce op=sum dtype=float64"})
+def test_horovod_and_syncbatchnorm_follow_a_spare_then_heals(tmp_path, reference_with_batchnorm):
+    """mpidp.horovod (mpidp/horovod/healing.py) at 4+1 ranks (--spares 1): a module with an
+    mpidp.SyncBatchNorm, stepped by hvd.DistributedOptimizer, loses rank 3 in its forward of
+    step 5 and the spare takes its place, in the process set of the odd ranks too (registered
+    on the spare as it stood by); then, with no spare left, rank 2 inside a bucket's
+    allreduce, rank 1 in its backward of step 14 and the spare in its forward of step 20
+    (4 -> 4 -> 3 -> 2 -> 1 ranks). hvd.size() and hvd.rank() are mpidp's, the odd ranks' set
+    holds its members (and is gone with the last); every string at 4 ranks is the
+    uninterrupted 4-rank run's, every loss follows the reference."""
+    extra = ["--horovod", "--syncbn"]
+    result = _ulfm(5, tmp_path / "ckpt", "3:5:forward", "1:14:backward", "4:20:forward",
+                   extra=[*extra, "--spares", "1"],
+                   env={"MPIDP_TEST_KILL": "2:40:allreduce op=sum dtype=float64"})
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "WRONG" not in output, output[-6000:]
-    lost = [int(r) for r, _, _, _ in HEALED.findall(result.stdout)]
-    assert lost == [2, 3, 1], output[-6000:]
+    found = [(int(r), int(w), int(s)) for r, _, w, s in HEALED.findall(result.stdout)]
+    assert [(r, w) for r, w, _ in found] == [(3, 4), (2, 3), (1, 2), (4, 1)], output[-6000:]
+    assert found[0][2] == 4 and "took their place" in result.stdout, output[-6000:]
     assert "done at 1 ranks" in result.stdout, output[-3000:]
-    _check_losses(result.stdout, reference)
+    _check_losses(result.stdout, reference_with_batchnorm)
+    at_four = _at_first_size(result.stdout)
+    expected = _uninterrupted(tmp_path / "c", extra)
+    assert len(at_four) >= 5 and at_four == {step: expected[step] for step in at_four}
 
 
 DIGEST = re.compile(r"^state (\d+) digest (\S+)$", re.M)

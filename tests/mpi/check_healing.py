@@ -240,6 +240,38 @@ def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directo
     mpidp.communicators.free(optimizer._comm)
 
 
+@pytest.mark.parametrize("store", ["mpi", "tcp", "local"])
+def test_a_shared_store_is_refused_on_every_rank_and_says_why(directory, monkeypatch, store):
+    """Where the job can heal (ULFM forced here): torch.distributed over a shared store (the
+    MPI store, the default, or TCP) is refused on every rank, saying why and what to give:
+    a heal makes torch's groups again over a process-local store, and the shared store's
+    keys live on rank 0 alone. ``store="local"`` is accepted."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
+    mpidp.init_process_group("mpidp", store=store)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        checkpointer = mpidp.Checkpointer(
+            directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            sampler=mpidp.DistributedSampler(_data()), batch_size=2, signals=())
+        try:
+            if store == "local":
+                assert mpidp.Healer(checkpointer).active
+            else:
+                kind = {"mpi": "MPIStore", "tcp": "TCPStore"}[store]
+                with pytest.raises(ValueError, match=rf"store is shared \({kind}\).*keys live on "
+                                                     rf"rank 0 alone.*store=\"local\""):
+                    mpidp.Healer(checkpointer)
+        finally:
+            checkpointer.close()
+    finally:
+        dist.destroy_process_group()
+        if store == "mpi" and SIZE > 1:  # its first use took the store's rebuild for good:
+            # give it back, as in a process whose store was never used (the next tests heal)
+            communicators.set_rebuild(mpidp.store._shared.comm, mpidp.store._rebuild)
+
+
 @pytest.mark.parametrize("spares, message", [
     (SIZE, f"spares must be an int from 0 to {SIZE - 1}"),
     (-1, "got -1"),
