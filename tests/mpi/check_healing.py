@@ -240,12 +240,13 @@ def test_zero_stage_1_over_the_world_is_accepted_and_gets_a_partner_copy(directo
     mpidp.communicators.free(optimizer._comm)
 
 
-@pytest.mark.parametrize("store", ["mpi", "tcp", "local"])
+@pytest.mark.parametrize("store", ["mpi", "local"])
 def test_a_shared_store_is_refused_on_every_rank_and_says_why(directory, monkeypatch, store):
     """Where the job can heal (ULFM forced here): torch.distributed over a shared store (the
-    MPI store, the default, or TCP) is refused on every rank, saying why and what to give:
-    a heal makes torch's groups again over a process-local store, and the shared store's
-    keys live on rank 0 alone. ``store="local"`` is accepted."""
+    MPI store, the default; TCP: check_rendezvous.py, whose launch may keep its listener) is
+    refused on every rank, saying why and what to give: a heal makes torch's groups again
+    over a process-local store, and the shared store's keys live on rank 0 alone.
+    ``store="local"`` is accepted."""
     import torch.distributed as dist
 
     monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
@@ -259,9 +260,8 @@ def test_a_shared_store_is_refused_on_every_rank_and_says_why(directory, monkeyp
             if store == "local":
                 assert mpidp.Healer(checkpointer).active
             else:
-                kind = {"mpi": "MPIStore", "tcp": "TCPStore"}[store]
-                with pytest.raises(ValueError, match=rf"store is shared \({kind}\).*keys live on "
-                                                     rf"rank 0 alone.*store=\"local\""):
+                with pytest.raises(ValueError, match=r"store is shared \(MPIStore\).*keys live on "
+                                                     r"rank 0 alone.*store=\"local\""):
                     mpidp.Healer(checkpointer)
         finally:
             checkpointer.close()

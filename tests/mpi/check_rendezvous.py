@@ -270,6 +270,33 @@ def _launch(nprocs: int, args: list[str], **extra: str) -> subprocess.CompletedP
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+def test_a_healer_refuses_the_tcp_store_on_every_rank(monkeypatch):
+    """Where the job can heal (ULFM forced here): torch.distributed over torch's TCPStore is
+    refused as the MPI store is (check_healing.py): a heal makes torch's groups again over a
+    process-local store, so keys shared through the TCP store would be each rank's alone."""
+    import tempfile
+
+    monkeypatch.setattr(mpidp.healing, "ulfm", lambda: True)
+    directory = WORLD.bcast(tempfile.mkdtemp(prefix="mpidp-heal-") if RANK == 0 else None)
+    mpidp.init_process_group("mpidp", store="tcp")
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
+        checkpointer = mpidp.Checkpointer(
+            directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            sampler=mpidp.DistributedSampler(data), batch_size=1, signals=())
+        try:
+            with pytest.raises(ValueError, match=r"store is shared \(TCPStore\).*store=\"local\""):
+                mpidp.Healer(checkpointer)
+        finally:
+            checkpointer.close()
+    finally:
+        dist.destroy_process_group()
+        WORLD.Barrier()
+        if RANK == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_python_m_mpidp_run_starts_a_torchrun_style_script(tmp_path_factory):
     """No import of mpidp in the script: `python -m mpidp run` exports the variables,
     runs it as __main__, and ends the job when one rank raises."""
