@@ -43,9 +43,11 @@ What happens, in order:
    its process (status 0) instead of returning to the script.
 
 Without ULFM the spares stand by the same way and leave at the end; a lost
-rank ends the job, as without spares. Tested with mpidp's DDP and ZeRO stage 1
-(tests/test_healing.py); a SyncBatchNorm, torch.distributed groups over
-"mpidp" and mpidp.horovod are not yet tested with spares.
+rank ends the job, as without spares. A joined spare gets the survivors'
+torch.distributed groups and Horovod process sets, numbered as before
+(``renumbered``): it stood outside them. Tested with mpidp's DDP, ZeRO stage
+1, SyncBatchNorm, torch's DDP with a group and mpidp.horovod with a process
+set (docs/healing.md, "What follows a heal").
 
 Rules (docs/concurrency.md): ``stand_by``, ``wait``, ``replace`` and
 ``release`` run on the program's thread; the launch's communicator is used by
