@@ -16,16 +16,28 @@ draws the same global batch and trains on its share. At the end every rank
 retrains the unsharded model on whole batches in one process and checks that
 both give the same parameters; the script exits non-zero if they differ.
 Every line that a one-process script would not have is tagged "# mpidp:".
+
+With ``--checkpoint-dir``, the same training goes through a Checkpointer and an
+``mpidp.Healer`` given ``rebuild=make`` instead (``train_healing``): launched with
+``mpirun --with-ft ulfm`` (Open MPI), a lost rank's shards come back from the
+partner copy the next rank keeps, ``make`` shards a new model over the survivors
+and the loop goes on with it (docs/healing.md, "FSDP2 under a heal"); it prints
+``step S loss L`` for every step (L in repr) and checks nothing at the end::
+
+    mpirun --with-ft ulfm -n 4 python examples/torch_fsdp.py --checkpoint-dir ckpt
+    # kill -9 one rank's process: "going on at 3 ranks from step S", the run goes on
 """
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import mpidp  # mpidp: registers the backend "mpidp"; an uncaught error on any rank ends the job
 
@@ -76,20 +88,64 @@ def train(model, steps: int, rank: int = 0, size: int = 1, log: bool = False):
                 print(f"step {step:3d}: loss {loss.item():.4f}", flush=True)
 
 
+def make():
+    """The sharded model, its optimizer and (no) scheduler, over the default group of the
+    moment: at the start, and again over the survivors after a heal (mpidp: Healer's rebuild)."""
+    model = build()
+    for layer in model.encoder.layers:  # mpidp: shard each layer (its own all-gather)...
+        fully_shard(layer)  # mpidp
+    fully_shard(model)  # mpidp: ... and the rest of the model
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), None
+
+
+def train_healing(steps: int, directory: str, pace: float) -> None:
+    """The training of ``train``, through a Checkpointer and a Healer (mpidp)."""
+    batches = [global_batch(step) for step in range(steps)]
+    dataset = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+    # mpidp: step S's global batch is samples S*BATCH... in order, each rank taking its share
+    sampler = mpidp.DistributedSampler(dataset, shuffle=False, drop_last=True)
+    loader = DataLoader(dataset, batch_size=BATCH // mpidp.size(), sampler=sampler)
+    model, optimizer, _ = make()
+    checkpointer = mpidp.Checkpointer(directory, model=model, optimizer=optimizer,  # mpidp
+                                      sampler=sampler, batch_size=BATCH // mpidp.size())
+    healer = mpidp.Healer(checkpointer, rebuild=make)  # mpidp: a heal calls make() again
+    for x, y in healer.batches(loader, steps=steps):  # mpidp: re-split after a lost rank
+        model, optimizer = checkpointer.model, checkpointer.optimizer  # mpidp: new after a heal
+        with healer.guard():  # mpidp: copies the shards; a rank lost here: heal, run it again
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            time.sleep(pace)
+            loss = mpidp.average(loss.detach())  # mpidp: the whole batch's loss
+            if mpidp.rank() == 0:  # mpidp: print once
+                print(f"step {checkpointer.steps + 1} loss {loss!r}", flush=True)
+            checkpointer.step()  # mpidp
+    checkpointer.close()  # mpidp
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--checkpoint-dir", help="train through a Checkpointer and a Healer")
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="with --checkpoint-dir: seconds to sleep in each step")
     args = parser.parse_args()
+    if args.checkpoint_dir:
+        # mpidp: "local": the MPI store's server (rank 0's thread) does not follow a heal
+        mpidp.init_process_group("mpidp", store="local")
+        if BATCH % mpidp.size():
+            raise SystemExit(f"run on a number of ranks that divides {BATCH}")
+        train_healing(args.steps, args.checkpoint_dir, args.pace)
+        dist.destroy_process_group()  # mpidp
+        return
 
     mpidp.init_process_group("mpidp")  # mpidp: torch.distributed over MPI (rank and size from mpiexec)
     rank, size = dist.get_rank(), dist.get_world_size()  # mpidp
     if BATCH % size:  # mpidp: equal shares keep the check below exact
         raise SystemExit(f"run on a number of ranks that divides {BATCH}")
 
-    model = build()
-    for layer in model.encoder.layers:  # mpidp: shard each layer (its own all-gather)...
-        fully_shard(layer)  # mpidp
-    fully_shard(model)  # mpidp: ... and the rest of the model
+    model, _, _ = make()
     train(model, args.steps, rank, size, log=True)
 
     # The check: one process training the same model on whole batches.
