@@ -292,6 +292,8 @@ def test_stand_by_comes_before_any_communicator_over_the_world():
     ddp.close()
 
 
+@pytest.mark.skipif(SIZE < 3, reason="the 3-rank launch's: a copy from the previous rank, not "
+                                       "the next, needs 3 ranks (FSDP2's set-up costs seconds)")
 def test_fsdp2_over_the_default_group_keeps_partner_copies_and_bad_input_is_refused_everywhere(
         directory, monkeypatch):
     """Where the job can heal (ULFM forced here): torch's FSDP2 needs ``rebuild=`` (given on
@@ -353,8 +355,7 @@ def test_fsdp2_over_the_default_group_keeps_partner_copies_and_bad_input_is_refu
             pass
         copy = heal._copies[-1]["fsdp"]
         mines = mpidp.allgather_object(copy["mine"])
-        if SIZE > 1:
-            assert torch.equal(copy["theirs"], mines[(RANK - 1) % SIZE])
+        assert torch.equal(copy["theirs"], mines[(RANK - 1) % SIZE])
         whole_model, whole_optimizer = fsdp.whole_state(copy, dict(enumerate(mines)))
         for name, param in model.named_parameters():
             assert torch.equal(whole_model[name], param.full_tensor().detach())
