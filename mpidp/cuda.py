@@ -175,6 +175,8 @@ def placements() -> tuple[tuple[str | None, ...], tuple[bool, ...]]:
 
 
 def _probe() -> bool:
+    from .comm import agreement  # noqa: PLC0415  (mpidp.comm imports this module)
+
     comm = MPI.COMM_WORLD
     device = local_device()
     tensor = torch.full((4,), float(comm.Get_rank() + 1), device=device)
@@ -187,8 +189,7 @@ def _probe() -> bool:
         ok = bool(torch.all(tensor == expected).item())
     except MPI.Exception:
         ok = False
-    return bool(_watchdog.watched("the CUDA-aware probe's verdict (allreduce)", comm.allreduce,
-                                  int(ok), op=MPI.MIN))
+    return not agreement.any_failed(comm, not ok, "the CUDA-aware probe's verdict (allreduce)")
 
 
 def job_decision(states: list[tuple], rank: int, probe, blocking_only: bool = False) -> Decision:
@@ -208,10 +209,6 @@ def job_decision(states: list[tuple], rank: int, probe, blocking_only: bool = Fa
         return Decision(False, "not every rank sees a GPU and a CUDA-aware MPI library; host "
                                "staging everywhere")
     return rank_decision(override, has_gpu, reported, probe, blocking_only)
-
-
-# the former names, kept for their callers (mpidp.comm.agreement has an agree and a decide)
-agree, decide = job_decision, rank_decision
 
 
 def _overrides_alike(states: list[tuple]) -> ValueError | None:

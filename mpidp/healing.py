@@ -211,6 +211,28 @@ def _rebuilt_problem(made, scheduler) -> str | None:
     return _fsdp.problem(model, optimizer)
 
 
+def _most_steps(counts: list[tuple[int, bool]]) -> int:
+    """The rank whose state all take: the most whole steps, a survivor before a joining spare
+    (the judge of each rank's ``(steps, survivor)``)."""
+    return counts.index(max(counts))
+
+
+def _common_step(facts: list, lost: list[int], size: int) -> tuple[str | None, int]:
+    """(why the ZeRO survivors cannot go on, or None; the step they go back to), from each
+    survivor's ``(step it stands at, steps it holds copies of)`` (None: a joining spare) and
+    the lost ranks' numbers in the old world of ``size`` ranks (the same on every rank)."""
+    facts = [fact for fact in facts if fact is not None]
+    steps = min(at for at, _ in facts)
+    if any(at != steps and steps not in kept for at, kept in facts):
+        return (f"the survivors stand at steps {sorted({at for at, _ in facts})} and some "
+                f"hold no copy of step {steps}"), steps
+    neighbours = [rank for rank in lost if (rank + 1) % size in lost]
+    if neighbours:
+        return (f"ranks {neighbours} and the next of each were lost together: their "
+                f"ZeroRedundancyOptimizer shards had no other copy"), steps
+    return None, steps
+
+
 class Healer:
     """Keep a ``Checkpointer``'s training going at N-1 ranks when a rank is lost (ULFM).
 
@@ -567,9 +589,8 @@ class Healer:
         than a spare that joins with as many (collective). With ZeRO, whose shards come from
         the survivors' pieces (``_take_zero_state``), the optimizer's hyperparameters only."""
         c = self.checkpointer
-        counts = agreement.watched_allgather(world, (c.steps, not joining),
-                                             "Healer: how many steps has each?")
-        root = counts.index(max(counts))
+        _, root = agreement.judged(world, (c.steps, not joining), _most_steps,
+                                   "Healer: how many steps has each?")
         parts = self._parts()
         if self._zero is not None:
             parts.pop("optimizer")
@@ -606,18 +627,10 @@ class Healer:
         mine = self._snapshot["position"][0] if self._snapshot is not None else \
             self.checkpointer.steps
         have = [copy["position"][0] for copy in self._copies]
-        facts = agreement.watched_allgather(world, None if joining else (mine, have),
-                                            "Healer: which steps can each survivor go back to?")
-        facts = [fact for fact in facts if fact is not None]
-        steps = min(at for at, _ in facts)
-        if any(at != steps and steps not in kept for at, kept in facts):
-            return (f"the survivors stand at steps {sorted({at for at, _ in facts})} and some "
-                    f"hold no copy of step {steps}"), steps
-        neighbours = [rank for rank in lost if (rank + 1) % size in lost]
-        if neighbours:
-            return (f"ranks {neighbours} and the next of each were lost together: their "
-                    f"ZeroRedundancyOptimizer shards had no other copy"), steps
-        return None, steps
+        _, verdict = agreement.judged(world, None if joining else (mine, have),
+                                      lambda facts: _common_step(facts, lost, size),
+                                      "Healer: which steps can each survivor go back to?")
+        return verdict
 
     def _take_zero_state(self, world: MPI.Intracomm, steps: int, lost: list[int],
                          joining: bool) -> None:

@@ -120,12 +120,8 @@ def stand_by(spares: int) -> bool:
         problem = (f"communicators were made over the world already, by "
                    f"{sorted({type(o).__name__ for o in _communicators.rebuilders()})}: call "
                    f"stand_by() before them")
-    facts = agreement.watched_allgather(launch, (spares, problem), "mpidp.stand_by(): the spares")
-    problems = sorted({p for _, p in facts if p} |
-                      ({f"spares differs between ranks: {[s for s, _ in facts]}"}
-                       if len({repr(s) for s, _ in facts}) > 1 else set()))
-    if problems:
-        raise ValueError(f"mpidp.stand_by(spares={spares!r}): {'; '.join(problems)}")
+    agreement.decide(launch, (spares, problem), lambda facts: _refusal(spares, facts),
+                     "mpidp.stand_by(): the spares")
     if spares == 0:
         return True
     rank, trainers = launch.Get_rank(), size - spares
@@ -136,6 +132,15 @@ def stand_by(spares: int) -> bool:
     if not _spare[0]:  # a trainer that leaves otherwise (a preemption's stop) lets them go too
         atexit.register(release)
     return not _spare[0]
+
+
+def _refusal(spares, facts: list[tuple]) -> ValueError | None:
+    """``stand_by``'s error from every rank's ``(spares, problem)``, or None."""
+    problems = sorted({p for _, p in facts if p} |
+                      ({f"spares differs between ranks: {[s for s, _ in facts]}"}
+                       if len({repr(s) for s, _ in facts}) > 1 else set()))
+    return ValueError(f"mpidp.stand_by(spares={spares!r}): {'; '.join(problems)}") if problems \
+        else None
 
 
 def _kept(_world) -> None:
@@ -271,6 +276,14 @@ class Replacement:
     done: bool = False
 
 
+def _no_trainer(roles: list[tuple]) -> RuntimeError | None:
+    """``replace``'s error when no trainer survived (and none had finished), else None."""
+    if any(role is not None for role, _ in roles):
+        return None
+    return RuntimeError("mpidp spares: every training rank was lost; resume from the last "
+                        "checkpoint")
+
+
 def replace(world: MPI.Intracomm | None, ok: bool = True, *, done: bool = False) -> Replacement:
     """Shrink the launch's communicator and make the new world, a spare in each lost rank's place.
 
@@ -288,14 +301,11 @@ def replace(world: MPI.Intracomm | None, ok: bool = True, *, done: bool = False)
         me = (world.Get_rank(), MPI.Group.Translate_ranks(
             group, list(range(world.Get_size())), MPI.COMM_WORLD.Get_group()), ok)
         group.Free()
-    roles = agreement.watched_allgather(launch, ("done" if done else me, MPI.COMM_WORLD.Get_rank()),
-                                        "mpidp spares: who stands where?")
+    roles = agreement.decide(launch, ("done" if done else me, MPI.COMM_WORLD.Get_rank()),
+                             _no_trainer, "mpidp spares: who stands where?")
     if any(role == "done" for role, _ in roles):
         return Replacement(None, [], [], _left[0], True, done=True)
     trainers = {role[0]: role for role, _ in roles if role is not None}
-    if not trainers:
-        raise RuntimeError("mpidp spares: every training rank was lost; resume from the last "
-                           "checkpoint")
     members = next(iter(trainers.values()))[1]
     lost = [number for number in range(len(members)) if number not in trainers]
     spares = [index for index, (role, _) in enumerate(roles) if role is None]

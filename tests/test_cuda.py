@@ -53,10 +53,6 @@ def test_a_library_that_reads_device_memory_in_blocking_collectives_only_stages_
     assert job_decision([(None, True, True)] * 2, 0, lambda: True, blocking_only=True).nonblocking is False
 
 
-def test_the_former_names_still_work():
-    assert mpidp.cuda.agree is job_decision and mpidp.cuda.decide is rank_decision
-
-
 def test_this_machine():
     # MPICH and Open MPI both answer (the wheels: False; bench/build_cuda_mpi.sh's: True)
     assert library_reports_cuda() in (True, False)

@@ -202,3 +202,84 @@ def test_the_mib_scan_sees_each_spelling():
                      "c = f'{size / 2**20:.1f} MiB'\n"      # printing a size
                      "d = cap_mb * chunking.MB\n")          # chunking's own
     assert sorted(int(line.split(":")[1]) for line in mib_to_bytes({"x.py": tree})) == [1, 2, 3]
+
+
+# -- a gather of every rank's facts is judged in mpidp.comm.agreement -------------------------
+
+# The gathers of pickled objects outside the agreement that judge nothing: data a rank uses,
+# or a report. A gather whose list every rank then judges goes through agreement.decide,
+# judged, decide_alike or decide_rows, so the judge reads the gathered facts alone.
+GATHERS_DATA = {
+    "mpidp/__main__.py:info": "python -m mpidp info: rank 0 prints each rank's threads",
+    "mpidp/checkpoint.py:step": "rank 0 prints which ranks were signalled (the stop was agreed)",
+    "mpidp/cuda.py:placements": "the GPU facts, cached: backend_choice.backend_for reads them "
+                                "on every rank alike",
+    "mpidp/doctor/__init__.py:run": "the doctor's context: rank 0's launcher",
+    "mpidp/doctor/checks.py:_gather": "the doctor's facts: each check's pure judge_* reads them "
+                                      "on every rank alike (the module's docstring)",
+    "mpidp/healing.py:_take_zero_state": "the ZeRO shards' pieces, which every survivor regroups",
+    "mpidp/healing.py:_take_fsdp_state": "the FSDP2 shards' pieces, which make the whole state",
+    "mpidp/rendezvous.py:_node_rank": "the nodes' first ranks: this rank's node's index",
+    "mpidp/rendezvous.py:_choose": "the nodes' addresses to rank 0, which chooses and broadcasts",
+    "mpidp/topology.py:gather": "every rank's layout, for tables and rank 0's warnings",
+    "mpidp/topology.py:node_affinities": "the node's bindings: this rank's share of the threads",
+    "mpidp/zero/checkpoint.py:consolidate_state_dict": "the optimizer's state, to one rank",
+}
+_OBJECT_GATHERS = ("allgather", "gather")
+
+
+def _gathers_objects(call: ast.Call) -> bool:
+    """``watched_allgather(...)``, ``collective(comm, "allgather"|"gather", ...)`` or
+    ``watched(label, comm.allgather, ...)``: mpi4py's pickled gathers."""
+    name = _called_name(call)
+    if name == "watched_allgather":
+        return True
+    if name == "collective":
+        return len(call.args) > 1 and isinstance(call.args[1], ast.Constant) \
+            and call.args[1].value in _OBJECT_GATHERS
+    return name == "watched" and any(isinstance(arg, ast.Attribute) and arg.attr in _OBJECT_GATHERS
+                                     for arg in call.args)
+
+
+def _calls_by_function(tree: ast.Module):
+    """(the innermost function's name, a call in it), for every call inside a function."""
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            pending = list(function.body)
+            while pending:
+                node = pending.pop()
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue  # its own turn
+                if isinstance(node, ast.Call):
+                    yield function.name, node
+                pending.extend(ast.iter_child_nodes(node))
+
+
+def object_gathers(trees: dict[str, ast.Module]) -> dict[str, int]:
+    """Each ``module:function`` outside the agreement that gathers pickled objects, with a line."""
+    found = {}
+    for module, tree in trees.items():
+        if module != "mpidp/comm/agreement.py":
+            for function, call in _calls_by_function(tree):
+                if _gathers_objects(call):
+                    found.setdefault(f"{module}:{function}", call.lineno)
+    return found
+
+
+def test_facts_gathered_to_be_judged_go_through_the_agreement():
+    found = {site: line for site, line in object_gathers(_sources()).items()
+             if site not in GATHERS_DATA}
+    assert not found, (f"a gather of every rank's facts outside mpidp.comm.agreement: {found}. "
+                       f"Judge them through agreement.decide/judged (or list a gather that "
+                       f"judges nothing in GATHERS_DATA, with its reason)")
+
+
+def test_the_gather_scan_sees_each_form():
+    tree = ast.parse("def a(comm):\n    return agreement.watched_allgather(comm, 1, 'x')\n"
+                     "def b(comm):\n    return collective(comm, 'gather', (1, 0), 'x')\n"
+                     "def c(comm):\n    def inner():\n"
+                     "        return _watchdog.watched('x', comm.allgather, 1)\n"
+                     "    return inner()\n"
+                     "def d(comm):\n    return collective(comm, 'bcast', (1, 0), 'x')\n"
+                     "def e(comm, t):\n    return _comm.allgather(t, t, comm=comm)\n")  # tensors
+    assert object_gathers({"x.py": tree}) == {"x.py:a": 2, "x.py:b": 4, "x.py:inner": 7}

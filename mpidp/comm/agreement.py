@@ -47,12 +47,14 @@ def decide(comm: MPI.Intracomm, fact, judge, label: str) -> list:
     return facts
 
 
-def judged(comm: MPI.Intracomm, fact, judge, label: str) -> tuple[list, BaseException | None]:
+def judged(comm: MPI.Intracomm, fact, judge, label: str) -> tuple[list, object]:
     """``decide`` that hands back its verdict instead of raising it: every rank's facts and
     ``judge(facts)``, the same on every rank.
 
-    For a caller that must act on the facts before it raises (line a counter up),
-    or whose own rank has raised its own error already.
+    The verdict is an error or None, or a choice every rank then acts on alike (a root,
+    a step to go back to, the operations that start); ``judge`` reads the facts alone.
+    For a caller that must act on the facts before it raises (line a counter up), whose
+    own rank has raised its own error already, or that acts on a choice.
     """
     facts = watched_allgather(comm, fact, label)
     return facts, judge(facts)

@@ -88,7 +88,6 @@ def default_pool() -> Pool:
     with _default_lock:
         if not _default:
             pool = Pool(_runtime.world(), env_size())
-            _watchdog.start()  # collective over COMM_WORLD, as the pool's creation
             for comm in pool.comms:
                 _communicators.set_rebuild(comm, _forget_default)
             _default.append(pool)

@@ -91,6 +91,13 @@ def _forced_node_size() -> int:
     return settings.get("MPIDP_SHM_NODE_SIZE")
 
 
+def _usable(sizes: list[int]) -> tuple[bool, str]:
+    """Whether shared memory serves nodes of these sizes (every node's), and why not."""
+    if len(set(sizes)) > 1:
+        return False, f"nodes hold different numbers of ranks ({sorted(set(sizes))})"
+    return (True, "") if sizes[0] > 1 else (False, "one rank per node")
+
+
 class Node:
     """A communicator's ranks grouped by node, if every node holds as many of them.
 
@@ -108,15 +115,11 @@ class Node:
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         _communicators.made(self.node, "shared-memory reduction: the node's ranks")
-        sizes = _handle.collective(comm, "allgather", (self.node.Get_size(),),
-                                   "shared-memory node sizes (allgather)")
+        _, (self.usable, self.reason) = _agreement.judged(
+            comm, self.node.Get_size(), _usable, "shared-memory node sizes (allgather)")
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = _communicators.made(comm.Split(self.local_rank, comm.Get_rank()),
                                          "shared-memory reduction: across nodes")
-        self.usable = len(set(sizes)) == 1 and sizes[0] > 1
-        self.reason = ("" if self.usable else
-                       "one rank per node" if len(set(sizes)) == 1 else
-                       f"nodes hold different numbers of ranks ({sorted(set(sizes))})")
 
     def duplicate(self) -> "Node":
         """The same grouping on fresh communicators (collective over the grouped ranks)."""

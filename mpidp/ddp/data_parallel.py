@@ -276,8 +276,6 @@ class DistributedDataParallel(nn.Module):
         self.control = _communicators.made(base.Dup(),
                                            f"DDP {id(self):#x}: its small collectives")
         self._node = _ddp_options.shared_memory_node(self._options["shared_memory"], base, device)
-        if base == MPI.COMM_WORLD:
-            _watchdog.start()  # collective over COMM_WORLD, as this is; a no-op once started
         self.reducer = self._make_reducer(settings["overlap"])
         for _, param in self._named_params(self.module):
             _OWNERS[param] = weakref.ref(self)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ..comm.handle import collective
 from .. import _args
 from .. import communicators as _communicators
 from .. import runtime as _runtime
@@ -71,14 +70,7 @@ def init(comm=None, process_sets=None) -> None:
         raise TypeError(f"process_sets must be None, 'dynamic' or a list of ProcessSet, "
                         f"got {process_sets!r}")
     base = _base(comm)
-    world = _communicators.made(base.Dup(), "hvd.init: Horovod's world")
-    local = _communicators.made(world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank()),
-                                "hvd.init: the node's ranks")
-    cross = _communicators.made(world.Split(local.Get_rank(), world.Get_rank()),
-                                "hvd.init: one rank per node")
-    local_sizes = collective(world, "allgather", (local.Get_size(),), "hvd.init (node sizes)")
-    _state.world, _state.local, _state.cross = world, local, cross
-    _state.homogeneous = len(set(local_sizes)) == 1
+    world = _state_module.make_world(base, "hvd.init (node sizes)")
     global_set = _sets.global_process_set
     global_set.ranks = list(range(world.Get_size()))
     global_set._attach(world, 0)

@@ -28,7 +28,6 @@ from .. import communicators as _communicators
 from .. import runtime as _runtime
 from .. import spares as _spares
 from ..comm import agreement as _agreement
-from ..comm.handle import collective
 from . import process_sets as _sets
 from . import state as _state_module
 from .state import _state
@@ -80,8 +79,8 @@ def rebuild(world: MPI.Intracomm) -> None:
     _state_module.forget_all()  # pending handles: their step is taken back
     # the survivors' sets (a joined spare's were registered as it stood by: its facts are none)
     mine = None if _spares.joined() else {number: s.ranks for number, s in _sets._registry.items()}
-    table = _survivors_sets(_agreement.watched_allgather(
-        world, mine, "hvd process sets after a heal: which are there?"))
+    _, table = _agreement.judged(world, mine, _survivors_sets,
+                                 "hvd process sets after a heal: which are there?")
     for number, ranks in table.items():
         if number not in _sets._registry:  # one a joined spare did not register
             _sets._registry[number] = _sets.ProcessSet(ranks)
@@ -91,17 +90,7 @@ def rebuild(world: MPI.Intracomm) -> None:
         _communicators.release(comm)
     for process_set in sets:
         process_set.comm = process_set.data = process_set.control = process_set._node = None
-    hvd_world = _communicators.made(world.Dup(), "hvd.init: Horovod's world")
-    _state.world = hvd_world
-    _state.local = _communicators.made(
-        hvd_world.Split_type(MPI.COMM_TYPE_SHARED, key=hvd_world.Get_rank()),
-        "hvd.init: the node's ranks")
-    _state.cross = _communicators.made(
-        hvd_world.Split(_state.local.Get_rank(), hvd_world.Get_rank()),
-        "hvd.init: one rank per node")
-    sizes = collective(hvd_world, "allgather", (_state.local.Get_size(),),
-                       "hvd.init (node sizes) after a heal")
-    _state.homogeneous = len(set(sizes)) == 1
+    hvd_world = _state_module.make_world(world, "hvd.init (node sizes) after a heal")
     for number, process_set in entries:
         ranks = [kept[r] for r in table.get(number, ()) if kept[r] is not None]
         if process_set is _sets.global_process_set:

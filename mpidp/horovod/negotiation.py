@@ -199,14 +199,16 @@ def dispute(process_set: _sets.ProcessSet, kind: int, mine: str | None,
     Collective over the set (joined and waiting ranks take part with ``mine`` None).
     When every rank failed alike, the error is the local one, with its type.
     """
-    entries = _agreement.watched_allgather(
-        process_set.control, (str(problem) if problem is not None else None, mine),
-        f"hvd {KIND_NAMES[kind]} (disagreement)")
-    problems = [p for p, _ in entries if p is not None]
-    if problem is not None and len(problems) == len(entries) and len(set(problems)) == 1:
-        return problem
-    what = [f"error: {p}" if p is not None else m for p, m in entries]
-    return _error_like(problem, _names.differ_message(KIND_NAMES[kind], what))
+    def judge(entries: list) -> BaseException:
+        problems = [p for p, _ in entries if p is not None]
+        if problem is not None and len(problems) == len(entries) and len(set(problems)) == 1:
+            return problem  # every rank failed alike (this one too): each raises its own
+        what = [f"error: {p}" if p is not None else m for p, m in entries]
+        return _error_like(problem, _names.differ_message(KIND_NAMES[kind], what))
+
+    return _agreement.judged(
+        process_set.control, (str(problem) if problem is not None else None, mine), judge,
+        f"hvd {KIND_NAMES[kind]} (disagreement)")[1]
 
 
 # Each set's named operations of this rank that wait for the other ranks' (names.py), in
@@ -227,10 +229,10 @@ def exchange(process_set: _sets.ProcessSet, message: Descriptor, kind: int, *, c
     queue = _deferred.setdefault(process_set, [])
     record = _names.Record(call, request.name if request is not None else None, waiting, joined,
                            tuple((r.name, r.description) for r in queue))
-    records = _agreement.watched_allgather(process_set.control, record,
-                                           f"hvd {KIND_NAMES[kind]} (names)")
-    verdict = _names.judge(records, not message.disputed and not message.waiting,
-                           KIND_NAMES[kind])
+    agreed = not message.disputed and not message.waiting  # the message every rank got
+    _, verdict = _agreement.judged(process_set.control, record,
+                                   lambda records: _names.judge(records, agreed, KIND_NAMES[kind]),
+                                   f"hvd {KIND_NAMES[kind]} (names)")
     if process_set.control.Get_rank() in verdict.deferred:
         queue.append(request)
     mine = dict(zip(_names.keyed((r.name, r.description) for r in queue), queue))

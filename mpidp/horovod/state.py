@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from .. import communicators as _communicators
+from ..comm import agreement as _agreement
 from .timeline import Timeline
 
 _NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
@@ -29,6 +31,21 @@ def _world() -> MPI.Intracomm:
     if _state.world is None:
         raise ValueError(_NOT_INITIALIZED)
     return _state.world
+
+
+def make_world(base: MPI.Intracomm, label: str) -> MPI.Intracomm:
+    """Horovod's world (a duplicate of ``base``), its node's ranks and one rank per node, and
+    whether every node holds as many ranks, into ``_state`` (collective over ``base``;
+    ``label``: the node sizes' allgather, as the stall watchdog names it)."""
+    world = _communicators.made(base.Dup(), "hvd.init: Horovod's world")
+    local = _communicators.made(world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank()),
+                                "hvd.init: the node's ranks")
+    cross = _communicators.made(world.Split(local.Get_rank(), world.Get_rank()),
+                                "hvd.init: one rank per node")
+    _, homogeneous = _agreement.judged(world, local.Get_size(),
+                                       lambda sizes: len(set(sizes)) == 1, label)
+    _state.world, _state.local, _state.cross, _state.homogeneous = world, local, cross, homogeneous
+    return world
 
 
 _forgetters: list = []  # called by hvd.shutdown, before the communicators are freed

@@ -160,6 +160,12 @@ def _seconds(group) -> float | None:
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
 
 
+def _union(facts: list[list[tuple]]) -> dict:
+    """The groups any rank held, by name: ``(members, timeout seconds)`` (every rank makes
+    them all, in one order, over the survivors)."""
+    return {name: (members, seconds) for mine in facts for name, members, seconds in mine}
+
+
 def rebuild(world: MPI.Intracomm) -> None:
     """Make torch's default group and every mpidp group again over ``world``.
 
@@ -176,9 +182,8 @@ def rebuild(world: MPI.Intracomm) -> None:
     # a joined spare's groups were over its world of one rank: the survivors' are the groups
     mine = [] if _spares.joined() else [(name, _members(group), _seconds(group))
                                         for name, group in zip(names, groups[1:])]
-    union = {name: (members, seconds) for facts in agreement.watched_allgather(
-        world, mine, "torch.distributed groups after a heal: which are there?")
-        for name, members, seconds in facts}
+    _, union = agreement.judged(world, mine, _union,
+                                "torch.distributed groups after a heal: which are there?")
     translated = _spares.renumbered(old, world)
     why = ("a heal replaced it after a lost rank: use mpidp.process_group.healing.healed(group) "
            "for the group over the survivors")

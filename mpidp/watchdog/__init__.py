@@ -237,10 +237,10 @@ def start() -> None:
     """Create the watchdogs' communicator and start this rank's watchdog (collective).
 
     Every rank of ``MPI.COMM_WORLD`` must call it at the same point of its
-    ``COMM_WORLD`` collectives. The creation of the default pool and of a DDP over
-    ``COMM_WORLD``, collective there already, call it; the import of mpidp is the
-    earliest such point. Later calls, and calls in a multiprocessing child or a
-    one-rank job, do nothing.
+    ``COMM_WORLD`` collectives: ``import mpidp`` does, on every rank, before any
+    other collective (so nothing later calls it over a world a heal may have
+    replaced). Later calls, and calls in a multiprocessing child or a one-rank
+    job, do nothing.
     """
     global _started, _channel
     if _started or runtime.in_multiprocessing_child():
