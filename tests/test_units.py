@@ -13,7 +13,7 @@ from torch import nn
 
 import mpidp
 from mpidp import cuda, topology
-from mpidp.ddp.buckets import Shards, assign_buckets
+from mpidp.ddp.buckets import LaunchOrder, Shards, assign_buckets
 from mpidp.ddp.data_parallel import first_mismatch
 from mpidp.kernels import pack, unpack
 
@@ -64,6 +64,16 @@ def test_bucket_assignment_follows_a_given_arrival_order():
     assert layout == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="order must hold every index from 0 to 3 once"):
         assign_buckets([4] * 4, [F32] * 4, cap_bytes=8, first_cap_bytes=8, order=[0, 0, 1, 2])
+
+
+def test_buckets_start_once_full_and_strictly_in_bucket_order():
+    order = LaunchOrder([[0, 1], [2], [3, 4]])
+    assert order.arrived(1) and list(order.startable()) == []  # full, but bucket 0 is not
+    assert not order.arrived(0) and order.arrived(0)
+    assert list(order.startable()) == [0, 1]
+    assert not order.arrived(2) and list(order.startable()) == []
+    assert list(order.startable(all_left=True)) == [2]  # the end: the rest, full or not
+    assert list(order.startable(all_left=True)) == []  # each bucket is given once
 
 
 def test_bucket_assignment_rejects_bad_caps():

@@ -73,14 +73,11 @@ class BucketLauncher:
 
     def launch_ready(self, step: Step, number: int) -> None:
         """Start the buckets of ``step`` (the ``number``-th) that are full, in bucket order."""
-        # A bucket ready early waits for the ones before it: every rank must
-        # issue the allreduces in the same order.
         buckets = self.layout.buckets
-        while step.next_launch < len(buckets) and step.pending[step.next_launch] == 0:
-            bucket = buckets[step.next_launch]
-            step.next_launch += 1
+        for position in step.order.startable():
+            bucket = buckets[position]
             began = time.perf_counter()
-            with _watchdog.Scope(_bucket_label, number, step.next_launch, len(buckets),
+            with _watchdog.Scope(_bucket_label, number, position + 1, len(buckets),
                                  bucket.buffer.nbytes, timeout=self.timeout, source=TIMEOUT_SOURCE):
                 self._start(bucket)
             self._launch_s += time.perf_counter() - began

@@ -1,12 +1,12 @@
-"""Grouping of parameters into gradient buckets, and the bucket itself."""
+"""Grouping of parameters into gradient buckets, the bucket itself, and the order buckets start in."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
-__all__ = ["assign_buckets", "Bucket", "Shards"]
+__all__ = ["assign_buckets", "Bucket", "LaunchOrder", "Shards"]
 
 
 def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int,
@@ -70,6 +70,39 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: in
     position = {index: k for k, index in enumerate(order)}
     buckets.sort(key=lambda members: position[members[0]])
     return buckets
+
+
+class LaunchOrder:
+    """Which buckets of one reduction may start: each once full, strictly in bucket order.
+
+    A bucket full early waits for the ones before it, so every rank starts the same
+    collectives in the same order whatever order its gradient hooks fire in
+    (mpidp DDP's reducer and ``hvd.DistributedOptimizer`` both start theirs so).
+
+    Args:
+        members: the parameters (or any items) of each bucket, in bucket order.
+    """
+
+    __slots__ = ("pending", "next")
+
+    def __init__(self, members: Sequence[Sequence]):
+        self.pending = [len(items) for items in members]  # per bucket, the items still to come
+        self.next = 0  # the next bucket to start
+
+    def arrived(self, position: int) -> bool:
+        """Count one item of bucket ``position`` in; whether that bucket is full now."""
+        self.pending[position] -= 1
+        return self.pending[position] == 0
+
+    def startable(self, *, all_left: bool = False) -> Iterator[int]:
+        """The positions of the buckets to start now, in order, each given once.
+
+        Args:
+            all_left: every bucket not started yet, full or not (the end of a reduction).
+        """
+        while self.next < len(self.pending) and (all_left or self.pending[self.next] == 0):
+            self.next += 1
+            yield self.next - 1
 
 
 class Bucket:

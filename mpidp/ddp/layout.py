@@ -2,10 +2,12 @@
 
 ``BucketLayout`` decides and builds the buckets of a ``mpidp.ddp.reducer.Reducer``:
 which parameters share one (``mpidp.ddp.buckets.assign_buckets``), each
-parameter's slot, the one rebuild in rank 0's observed gradient order (torch's
-bucket rebuild), and the move of the CPU buckets into one mapping the node's
-ranks share (``mpidp.comm.shm``). The reducer holds one and reads the slots
-from every gradient hook.
+parameter's slot, how each bucket is packed (``mpidp.ddp.packing``), the one
+rebuild in rank 0's observed gradient order (torch's bucket rebuild), and the
+move of the CPU buckets into one mapping the node's ranks share
+(``mpidp.comm.shm``). The reducer holds one and reads the slots from every
+gradient hook; ``hvd.DistributedOptimizer`` holds one too (its own groups, no
+rebuild, shared once its check across ranks passed).
 """
 
 from __future__ import annotations
@@ -37,15 +39,18 @@ class BucketLayout:
         make_bucket: ``make_bucket(members, solo)`` builds the bucket of ``members``
             (indices into ``params``); the reducer's, which a subclass may change.
         as_view: ``.grad`` is a view into its bucket (``gradient_as_bucket_view``).
-        control: the communicator over which a rebuild's order is broadcast.
-        strategy: the overlap strategy, told the shared-memory window.
-        node: the node's shared memory (``mpidp.comm.shm.Node``), or None: no window.
+        control: the communicator over which a rebuild's order is broadcast (None: never
+            rebuilt).
+        strategy: the overlap strategy, told the shared-memory window (None: never shared).
+        node: the node's shared memory (``mpidp.comm.shm.Node``) each layout's CPU buckets
+            move into as it is built, or None: no window (``share`` may still give one).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], dense: Sequence[int], *, cap_bytes: int,
                  first_cap_bytes: int, solo_bytes: int | None,
                  make_bucket: Callable[[list[int], bool], Bucket], as_view: bool,
-                 control: MPI.Intracomm, strategy: _overlap._Strategy, node: _shm.Node | None):
+                 control: MPI.Intracomm | None, strategy: _overlap._Strategy | None,
+                 node: _shm.Node | None):
         self.params = params
         self.dense = list(dense)
         self.caps = (cap_bytes, first_cap_bytes)
@@ -92,7 +97,7 @@ class BucketLayout:
             for k, index in enumerate(indices):
                 self.slot[index] = (bucket, k)
         if self.node is not None:
-            self._adopt_window()
+            self.share(self.node)
 
     def _slots(self):
         return ((slot if slot is not None else (None, None)) for slot in self.slot)
@@ -120,15 +125,17 @@ class BucketLayout:
                     new.copy_(old)
                     param.grad = new
 
-    def _adopt_window(self) -> None:
-        """Move the CPU buckets into one shared mapping (collective, with each layout).
+    def share(self, node: _shm.Node) -> None:
+        """Move the CPU buckets into one mapping of ``node`` (collective over its ranks),
+        and each later layout's as it is built.
 
-        Every rank has the same layout here, so the same buckets and sizes. A
-        gradient that is a bucket view follows its bucket. If any rank cannot
-        allocate, every rank keeps its buckets and reduces with MPI from now on.
-        The previous layout's mapping goes with the last tensor on it.
+        Every rank has the same layout here, so the same buckets and sizes (a caller
+        that cannot know it checks first: ``hvd.DistributedOptimizer``). A gradient that
+        is a bucket view follows its bucket. If any rank cannot allocate, every rank
+        keeps its buckets and reduces with MPI from now on. The previous layout's
+        mapping goes with the last tensor on it.
         """
-        node = self.node
+        self.node = node
         buckets = [b for b in self.buckets if not b.solo and b.buffer is not None
                    and b.buffer.device.type == "cpu"]
         if not buckets:

@@ -364,8 +364,7 @@ class Reducer:
                 _chunking.divided(grad, self._scale, out=view)
             else:
                 step.copies[position].append((k, grad))
-        step.pending[position] -= 1
-        if step.pending[position] == 0:
+        if step.order.arrived(position):
             if not bucket.solo:
                 _packing.pack(bucket, step.copies[position])
                 step.copies[position].clear()  # no gradient outlives its step here

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .buckets import LaunchOrder
+
 __all__ = ["ARMED", "RUNNING", "DONE", "Step", "find_tensors", "reachable_parameters"]
 
 # armed: forward done, no parameter gradient yet; running: the backward has
@@ -26,14 +28,12 @@ ARMED, RUNNING, DONE = "armed", "running", "done"
 class Step:
     """The reduction of one synced forward, from ``prepare`` to the end of its backward."""
 
-    __slots__ = ("state", "ready", "pending", "next_launch", "task", "unused", "fired", "counted",
-                 "copies")
+    __slots__ = ("state", "ready", "order", "task", "unused", "fired", "counted", "copies")
 
     def __init__(self, count: int, layout: list[list[int]], unused: list[int]):
         self.state = ARMED
         self.ready = bytearray(count)
-        self.pending = [len(members) for members in layout]
-        self.next_launch = 0  # the next bucket to hand to the strategy
+        self.order = LaunchOrder(layout)  # which buckets are full, and the next to hand over
         # The graph task whose end-of-backward callback is queued and has not run
         # yet (-1: none). If it never runs, that backward raised.
         self.task = -1

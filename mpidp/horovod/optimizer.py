@@ -10,20 +10,24 @@ step without a second one. Accumulated gradients are summed over the passes,
 then averaged over the ranks, as in Horovod.
 
 **Order.** Horovod's coordinator negotiates which gradients every rank has
-ready. mpidp decides from facts every rank shares instead: the gradients are
-grouped into buckets in a fixed order (reverse registration order, which the
-backward pass roughly follows, by ``mpidp.ddp.buckets.assign_buckets``, up to
-``HOROVOD_FUSION_THRESHOLD`` bytes, default mpidp DDP's 25 MiB after a 1 MiB
-first bucket; or the ``groups`` given), and bucket ``b`` starts only once all of
-its gradients are ready and every bucket before it has started. So every rank
-starts the same allreduces in the same order, whatever order its hooks fire in.
+ready. mpidp decides from facts every rank shares instead, with mpidp DDP's
+bucket scheduler: the gradients are grouped into buckets in a fixed order
+(``mpidp.ddp.layout.BucketLayout``: reverse registration order, which the
+backward pass roughly follows, up to ``HOROVOD_FUSION_THRESHOLD`` bytes, default
+mpidp DDP's 25 MiB after a 1 MiB first bucket; or the ``groups`` given), checked
+alike on every rank of the set, and bucket ``b`` starts only once all of its
+gradients are ready and every bucket before it has started
+(``mpidp.ddp.buckets.LaunchOrder``). So every rank starts the same allreduces in
+the same order, whatever order its hooks fire in.
 
-**Speed.** A bucket is still negotiated like any hvd allreduce (so ``hvd.join``
-serves it), but where no rank has joined its CPU data are reduced at once the
-way mpidp DDP reduces its buckets (``mpidp.ddp.overlap``'s inline strategy): the
-fused buffers live in a window of the node's shared memory (``mpidp.comm.shm``)
-where the set's ranks share nodes, and a buffer outside it (one large
-gradient) goes through MPI chunk by chunk.
+**Speed.** A bucket's gradients go into its flat buffer in one call
+(``mpidp.ddp.packing``) and come back in one (``mpidp.kernels.unpack``). A bucket
+is still negotiated like any hvd allreduce (so ``hvd.join`` serves it), but where
+no rank has joined its CPU data are reduced at once the way mpidp DDP reduces its
+buckets (``mpidp.ddp.overlap``'s inline strategy): the fused buffers live in a
+window of the node's shared memory (``mpidp.comm.shm``) where the set's ranks
+share nodes, and a buffer outside it (one large gradient) goes through MPI chunk
+by chunk.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ import torch
 from .. import _args
 from ..comm import agreement as _agreement
 from ..ddp import overlap as _overlap
-from ..ddp.buckets import Bucket, assign_buckets
+from ..ddp import packing as _packing
+from ..ddp.buckets import Bucket, LaunchOrder
+from ..ddp.layout import BucketLayout
 from ..comm import chunking as _chunking
+from ..kernels import unpack
 from . import adasum as _adasum
 from . import healing as _healing
 from . import process_sets as _sets
@@ -165,26 +172,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # HOROVOD_FUSION_THRESHOLD=0 (no fusion): a cap of 1 byte puts each gradient alone
         cap = max(_settings.fusion_threshold(_chunking.DEFAULTS.bucket_cap), 1)
         sizes = _chunking.Sizes.of(bucket_cap_mb=cap / _chunking.MB)
-        buckets = _check_groups(self._groups, params)
-        if buckets is None:
-            buckets = assign_buckets([p.numel() * p.element_size() for p in params],
-                                     [(p.dtype, p.device) for p in params], sizes.bucket_cap,
-                                     sizes.first_bucket)
-        for members in buckets:
-            if len({(params[k].dtype, params[k].device) for k in members}) > 1:
+        included = self._process_set.included()
+        self._params = params
+        self._strategy = (_overlap.InlineStrategy(self._process_set.data, sizes.chunk)
+                          if included else None)
+        layout = BucketLayout(params, range(len(params)), cap_bytes=sizes.bucket_cap,
+                              first_cap_bytes=sizes.first_bucket, solo_bytes=None,
+                              make_bucket=self._bucket, as_view=False,
+                              control=self._process_set.control, strategy=self._strategy,
+                              node=None)
+        members = _check_groups(self._groups, params) or layout.assign()
+        for indices in members:
+            if len({(params[k].dtype, params[k].device) for k in indices}) > 1:
                 raise ValueError("a group of parameters must share one dtype and device, got "
                                  + ", ".join(f"{self._names[params[k]]}: {params[k].dtype} on "
-                                             f"{params[k].device}" for k in members))
-        self._params = params
-        self._buckets = [[params[k] for k in members] for members in buckets]
-        self._bucket_of = {id(p): b for b, members in enumerate(self._buckets) for p in members}
-        self._flat = [Bucket(members) if len(members) > 1 else None for members in self._buckets]
-        self._strategy = None
-        if self._process_set.included():
-            self._strategy = _overlap.InlineStrategy(self._process_set.data, sizes.chunk)
-            self._adopt_window(self._agree_on_layout())
+                                             f"{params[k].device}" for k in indices))
+        layout.build(members)
+        self._buckets = layout
+        self._bucket_of = {id(params[k]): b for b, indices in enumerate(members) for k in indices}
+        if included:
+            self._share(self._agree_on_layout())
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self._reset()
+
+    def _bucket(self, members: list[int], solo: bool) -> Bucket:
+        """The bucket of parameters ``members`` (the layout's ``make_bucket``): a parameter
+        alone in its bucket is reduced in its own ``.grad``, without a flat buffer."""
+        return Bucket([self._params[k] for k in members], solo=len(members) == 1)
 
     def _agree_on_layout(self) -> bool:
         """Check that every rank of the set bucketed its parameters alike (collective over the
@@ -198,18 +212,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: on every rank of the set, naming the first parameter that differs.
         """
-        params = [p for members in self._buckets for p in members]
-        rows = [(b, str(p.dtype), p.numel()) for b, members in enumerate(self._buckets)
-                for p in members]
-        cpu = [(str(flat.buffer.dtype), flat.buffer.numel()) for flat in self._flat
-               if flat is not None and flat.buffer.device.type == "cpu"]
+        layout = self._buckets
+        params = [layout.params[k] for indices in layout.members for k in indices]
+        rows = [(b, str(layout.params[k].dtype), layout.params[k].numel())
+                for b, indices in enumerate(layout.members) for k in indices]
+        cpu = [(str(bucket.buffer.dtype), bucket.buffer.numel()) for bucket in layout.buckets
+               if not bucket.solo and bucket.buffer.device.type == "cpu"]
         summaries = _agreement.decide_alike(
             self._process_set.comm, (_digest(rows), _digest(cpu)),
             lambda: [(self._names[p], *row) for p, row in zip(params, rows)],
             _first_difference, "hvd.DistributedOptimizer layout")
         return bool(cpu) and all(theirs == summaries[0][1] for _, theirs in summaries)
 
-    def _adopt_window(self, alike: bool) -> None:
+    def _share(self, alike: bool) -> None:
         """Put the CPU fused buffers in one shared mapping of the set's node (collective over the set).
 
         ``alike``: every rank of the set has the same CPU buffers (``_agree_on_layout``,
@@ -218,24 +233,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         or no mapping could be made, the buffers stay private and go through MPI.
         """
         node = self._process_set.shared_node() if alike else None
-        if node is None:
-            return
-        flats = [flat for flat in self._flat if flat is not None and flat.buffer.device.type == "cpu"]
-        offsets, total = [], 0
-        for flat in flats:
-            offsets.append(total)
-            total += -(-flat.buffer.nbytes // 64) * 64
-        window = node.allocate(total)
-        if window is None:
-            return
-        for flat, offset in zip(flats, offsets):
-            flat.bind(window.tensor(offset, flat.buffer.numel(), flat.buffer.dtype))
-        self._strategy.window = window
+        if node is not None:
+            self._buckets.share(node)
 
     def _reset(self) -> None:
         self._delay = {id(p): self._passes for p in self._params}
-        self._waiting = [len(members) for members in self._buckets]
-        self._next = 0
+        self._order = LaunchOrder(self._buckets.members)
         self._handles: dict[int, tuple] = {}
         self._sparse: list[tuple] = []  # (parameter, result of sparse_allreduce_async)
         self._densified: list[torch.Tensor] = []  # sparse gradients reduced as dense
@@ -255,10 +258,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hook(self, param: torch.Tensor) -> None:
         with self._lock:
-            if self._count(param):
-                self._waiting[self._bucket_of[id(param)]] -= 1
-                while self._next < len(self._buckets) and self._waiting[self._next] == 0:
-                    self._start(self._next)
+            if self._count(param) and self._order.arrived(self._bucket_of[id(param)]):
+                for b in self._order.startable():
+                    self._start(b)
 
     @property
     def _parameter_names(self) -> dict:
@@ -276,49 +278,58 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             param.grad = param.grad.to_dense()
         return param.grad
 
+    def _members(self, b: int) -> list[torch.Tensor]:
+        return [self._params[k] for k in self._buckets.members[b]]
+
     def _start(self, b: int) -> None:
-        self._next = b + 1
         if not self._process_set.included():
             return
-        members, flat = self._buckets[b], self._flat[b]
+        bucket, members = self._buckets.buckets[b], self._members(b)
         grads = [self._gradient(p) for p in members]
         for param, grad in zip(members, grads):
             if grad is None:  # as Horovod: an allgather of its indices and values
                 self._sparse.append((param, sparse_allreduce_async(
                     param.grad, self._names[param], self._op, self._process_set)))
-        if flat is None:
+        if bucket.solo:
             if grads[0] is None:
                 return
             tensor = grads[0]
         else:
-            for view, grad in zip(flat.views, grads):
-                view.copy_(grad) if grad is not None else view.zero_()
-            tensor = flat.buffer
+            _packing.pack(bucket, [(k, grad) for k, grad in enumerate(grads) if grad is not None])
+            for view, grad in zip(bucket.views, grads):
+                if grad is None:
+                    view.zero_()
+            tensor = bucket.buffer
         compressed, context = self._compression.compress(tensor)
         scales = (1 / self._predivide, self._predivide) if self._op == Average else (1.0, 1.0)
         handle = bucket_allreduce_async_(compressed, self._strategy, self._names[members[0]],
                                          self._op, scales[0], scales[1], self._process_set)
         self._handles[b] = (handle, context)
 
+    def _copy_back(self, b: int, result: torch.Tensor) -> None:
+        """Write bucket ``b``'s reduced values (``result``, flat) into its dense gradients."""
+        members = self._members(b)
+        if self._buckets.buckets[b].solo:
+            if result is not members[0].grad:
+                members[0].grad.copy_(result.view_as(members[0].grad))
+            return
+        grads = [p.grad for p in members]
+        if not any(grad.is_sparse for grad in grads):
+            unpack(result, grads)
+            return
+        for grad, piece in zip(grads, result.split([p.numel() for p in members])):
+            if not grad.is_sparse:  # reduced by itself (_start)
+                unpack(piece, [grad])
+
     def synchronize(self) -> None:
         """Start the reductions not started yet, wait for all, and write the results into ``p.grad``."""
         with self._lock:
-            while self._next < len(self._buckets):
-                self._start(self._next)
+            for b in self._order.startable(all_left=True):
+                self._start(b)
             try:
                 for b, (handle, context) in self._handles.items():
-                    result = self._compression.decompress(_requests.synchronize(handle), context)
-                    flat, members = self._flat[b], self._buckets[b]
-                    if flat is None:
-                        if result is not members[0].grad:
-                            members[0].grad.copy_(result.view_as(members[0].grad))
-                        continue
-                    offset = 0
-                    for param in members:
-                        numel = param.numel()
-                        if not param.grad.is_sparse:
-                            param.grad.copy_(result[offset:offset + numel].view_as(param.grad))
-                        offset += numel
+                    self._copy_back(b, self._compression.decompress(_requests.synchronize(handle),
+                                                                    context))
                 for param, result in self._sparse:
                     param.grad = result()
                 for param in self._densified:
@@ -390,7 +401,7 @@ class _AdasumOptimizer(_DistributedOptimizer):
         with self._lock:
             self._count(param)  # backward_passes_per_step's check; nothing starts
 
-    def _adopt_window(self, alike: bool) -> None:
+    def _share(self, alike: bool) -> None:
         """No shared fused buffers: the deltas go through grouped_allreduce (every rank alike)."""
 
     def synchronize(self) -> None:
@@ -403,7 +414,8 @@ class _AdasumOptimizer(_DistributedOptimizer):
                 with torch.no_grad():
                     before = {id(p): p.detach().clone() for p in self._params}
                     self._optimizer.step()
-                    for members in self._buckets:
+                    for b in range(len(self._buckets.members)):
+                        members = self._members(b)
                         olds = [before[id(p)] for p in members]
                         packed = [self._compression.compress(p.detach() - old)
                                   for p, old in zip(members, olds)]

@@ -160,7 +160,7 @@ def test_communication_starts_during_backward(overlap):
     launched_when = []
     first = ddp.reducer.params[0]
     first.register_post_accumulate_grad_hook(
-        lambda p: launched_when.append(ddp.reducer._step.next_launch))
+        lambda p: launched_when.append(ddp.reducer._step.order.next))
     x, y = inputs("mlp", 0)
     loss_of("mlp", ddp(shard(x)), shard(y)).backward()
     # when the first-registered (last-produced) gradient arrives, all buckets

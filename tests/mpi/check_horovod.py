@@ -636,14 +636,22 @@ def test_misuse_raises_a_clear_error_on_every_rank():
     expected = torch.zeros(5, 2)
     for r in range(hvd.size()):
         expected[r % 5] += 1 / hvd.size()
+    # (here in one fused bucket with a head's dense gradients, averaged beside them)
     for as_dense in (False, True):
-        embedding = torch.nn.Embedding(5, 2, sparse=True)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=1.0),
-                                             sparse_as_dense=as_dense)
-        embedding(torch.tensor([hvd.rank() % 5])).sum().backward()
+        embedding, head = torch.nn.Embedding(5, 2, sparse=True), torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            embedding.weight.fill_(hvd.rank() + 1)
+            head.weight.fill_(1.0)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD([*embedding.parameters(), *head.parameters()], lr=1.0),
+            sparse_as_dense=as_dense)
+        assert optimizer._buckets.members == [[2, 1, 0]]
+        head(embedding(torch.tensor([hvd.rank() % 5]))).sum().backward()
         optimizer.synchronize()
         assert embedding.weight.grad.is_sparse
         torch.testing.assert_close(embedding.weight.grad.to_dense(), expected)
+        torch.testing.assert_close(head.weight.grad, torch.full((1, 2), (hvd.size() + 1) / 2))
+        torch.testing.assert_close(head.bias.grad, torch.ones(1))
 
 
 def test_distributed_optimizer_refuses_layouts_that_differ_across_ranks():
@@ -660,8 +668,11 @@ def test_distributed_optimizer_refuses_layouts_that_differ_across_ranks():
                                                    in model[:1].named_parameters()]
                                  + [("b." + name.split(".")[1], p) for name, p
                                     in model[1:].named_parameters()])
-    # layouts that agree still build (the next test trains with them)
-    hvd.DistributedOptimizer(torch.optim.SGD(fresh_model().parameters(), lr=0.1))
+    # layouts that agree still build (the next test trains with them), and their fused CPU
+    # buffers move into the node's shared window (mpidp DDP's BucketLayout.share)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(fresh_model().parameters(), lr=0.1))
+    fused = [bucket for bucket in optimizer._buckets.buckets if not bucket.solo]
+    assert fused and all(optimizer._strategy.window.holds(bucket.buffer) for bucket in fused)
 
 
 def test_names_match_across_ranks():
