@@ -2,9 +2,12 @@
 
 A checkpoint is a directory ``step-000000120`` holding:
 
-- ``model.pt``: the model's state dict (unwrapped from DDP), from rank 0;
-- ``train.pt``: the optimizer (unless ZeRO), LR scheduler, gradient scaler,
+- ``model.pt``: the model's state dict (unwrapped from DDP), from rank 0; of an FSDP2
+  model (DTensor parameters), the whole one, gathered by torch's ``get_model_state_dict``;
+- ``train.pt``: the optimizer (unless ZeRO or FSDP2), LR scheduler, gradient scaler,
   ``extra`` objects, the step and the sampler's position, from rank 0;
+- ``optimizer.pt``: with an FSDP2 model, the optimizer's whole state (torch's full state
+  dict, keyed by parameter name), from rank 0;
 - ``zero-rank*-of-*.pt``: a ``ZeroRedundancyOptimizer``'s shards (``save_sharded``);
 - ``rng-rank*.pt``: each rank's Python, NumPy, torch CPU and CUDA generators;
 - ``manifest.json``: the step, the world size and every file's size, written last.
@@ -18,6 +21,8 @@ directory whose manifest lists files that all exist at their sizes.
 
 **Resume at another size.** The model, optimizer, scheduler and scaler are
 replicated and load at any size; ZeRO shards are re-cut (``load_sharded``);
+an FSDP2 model and its optimizer are read whole by every rank, each keeping its
+new shards (torch's ``set_model_state_dict`` and ``set_optimizer_state_dict``);
 the sampler goes on from the same position of the epoch's global order
 (``mpidp.DistributedSampler.resume_from``), which keeps the global batches
 the same as long as the global batch (``batch_size`` x ranks, or the
@@ -57,12 +62,20 @@ from .comm import agreement
 from . import communicators as _communicators
 from . import watchdog as _watchdog
 from .ddp.data_parallel import DistributedDataParallel
+from .process_group import fsdp as _fsdp
 from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["Checkpointer", "latest_checkpoint"]
 
 _DEADLINE = 20.0  # seconds: well inside SLURM's default KillWait of 30 s
+
+
+def _one_kind(sharded: list) -> TypeError | None:
+    if len(set(sharded)) > 1:
+        return TypeError(f"model must be torch's FSDP2 (DTensor parameters) on every rank or "
+                         f"on none, got FSDP2 on ranks {[r for r, s in enumerate(sharded) if s]}")
+    return None
 
 
 def _restore_generators(rng) -> None:
@@ -90,8 +103,9 @@ class Checkpointer:
 
     Args:
         directory: where the checkpoints go; the same path, shared, on every rank.
-        model: the module (mpidp or torch DDP, or a plain module whose parameters
-            are the same on every rank).
+        model: the module (mpidp or torch DDP, a plain module whose parameters
+            are the same on every rank, or torch's FSDP2, saved whole), the same kind
+            on every rank.
         optimizer: a torch optimizer or ``mpidp.ZeroRedundancyOptimizer``.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
         scaler: a ``torch.amp.GradScaler``.
@@ -131,6 +145,8 @@ class Checkpointer:
             error = caught
         try:
             agreement.agree(self._comm, error, "Checkpointer(): are the arguments good on every rank?")
+            agreement.decide(self._comm, _fsdp.is_sharded(self._unwrap(model)), _one_kind,
+                             "Checkpointer(): an FSDP2 model on every rank or on none?")
             self.directory = os.path.abspath(directory)
             self._check_directory()
         except BaseException:  # raised on every rank alike
@@ -266,9 +282,17 @@ class Checkpointer:
         return preemption.agree_stop(self._comm)
 
     def _module(self) -> torch.nn.Module:
-        if isinstance(self.model, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
-            return self.model.module
-        return self.model
+        return self._unwrap(self.model)
+
+    @staticmethod
+    def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
+            return model.module
+        return model
+
+    def _whole_optimizer(self):
+        """The optimizer saved whole (None: none, or ZeRO's, saved in shards)."""
+        return None if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
 
     def _position(self) -> dict | None:
         if self.sampler is None:
@@ -328,13 +352,20 @@ class Checkpointer:
         zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
         if zero:  # collective, agreeing on its own errors
             self.optimizer.save_sharded(partial)
+        sharded = _fsdp.is_sharded(self._module())  # the same on every rank (agreed when made)
         error = None
         try:
+            if sharded:  # collective (torch's gathers): the whole states, on rank 0
+                model, optimizer = _fsdp.full_state(self._module(), self._whole_optimizer())
+            else:
+                model, optimizer = self._module().state_dict() if self.rank == 0 else None, None
             if zero:
                 _fsync_file(os.path.join(partial, f"zero-rank{self.rank:05d}-of-{self.world:05d}.pt"))
             if self.rank == 0:
-                _write(os.path.join(partial, "model.pt"), self._module().state_dict())
-                _write(os.path.join(partial, "train.pt"), self._train_state(zero))
+                _write(os.path.join(partial, "model.pt"), model)
+                if optimizer is not None:
+                    _write(os.path.join(partial, "optimizer.pt"), optimizer)
+                _write(os.path.join(partial, "train.pt"), self._train_state(zero or sharded))
             _write(os.path.join(partial, f"rng-rank{self.rank:05d}.pt"), generators.states())
             elapsed = time.monotonic() - began
             if elapsed > self.deadline:
@@ -345,10 +376,11 @@ class Checkpointer:
             error = caught
         agreement.agree(self._comm, error, label)
 
-    def _train_state(self, zero: bool) -> dict:
+    def _train_state(self, apart: bool) -> dict:
+        """What rank 0 writes in ``train.pt``; the optimizer's too unless it is saved ``apart``."""
         state = {"step": self.steps, "world": self.world, "sampler": self._position(),
                  "extra": {name: obj.state_dict() for name, obj in self.extra.items()}}
-        if self.optimizer is not None and not zero:
+        if self.optimizer is not None and not apart:
             state["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -423,12 +455,17 @@ class Checkpointer:
         if found is None:
             return 0
         path, manifest = found
-        error = None
+        sharded = _fsdp.is_sharded(self._module())  # the same on every rank (agreed when made)
+        error, whole = None, None
         try:
-            self._load_replicated(path, manifest)
+            if sharded:
+                whole = self._read_whole(path)
+            self._load_replicated(path, manifest, sharded)
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as caught:
             error = caught
         agreement.agree(self._comm, error, f"Checkpointer.resume() from {path}: did every rank load it?")
+        if sharded:
+            self._load_whole(path, whole)
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self.optimizer.load_sharded(path)  # collective, at any number of ranks
         if self._replay is not None:  # the hyperparameters loaded (by load_sharded too)
@@ -439,7 +476,28 @@ class Checkpointer:
         self._token = None
         return self.steps
 
-    def _load_replicated(self, path: str, manifest: dict) -> None:
+    def _read_whole(self, path: str) -> tuple[dict, dict | None]:
+        """An FSDP2 model's whole states, checked against the model and optimizer (local)."""
+        optimizer = self._whole_optimizer()
+        model_state = _load(os.path.join(path, "model.pt"))
+        optimizer_state = None if optimizer is None else _load(os.path.join(path, "optimizer.pt"))
+        problem = _fsdp.mismatch(self._module(), optimizer, model_state, optimizer_state)
+        if problem is not None:
+            raise ValueError(f"{path} does not fit the FSDP2 model and its optimizer: {problem}")
+        return model_state, optimizer_state
+
+    def _load_whole(self, path: str, whole: tuple) -> None:
+        """The whole states (``_read_whole``) into every rank's FSDP2 shards (collective:
+        torch's calls over the model's group)."""
+        error = None
+        try:
+            _fsdp.load(self._module(), self._whole_optimizer(), *whole)
+        except (RuntimeError, ValueError, KeyError, TypeError) as caught:
+            error = caught
+        agreement.agree(self._comm, error, f"Checkpointer.resume() from {path}: did every rank "
+                                           f"load its FSDP2 shards?")
+
+    def _load_replicated(self, path: str, manifest: dict, sharded: bool) -> None:
         train = _load(os.path.join(path, "train.pt"))
         position = train["sampler"]
         if self.sampler is not None:
@@ -469,9 +527,10 @@ class Checkpointer:
                     f"({position['global_batch'] // manifest['world']} per rank at "
                     f"{manifest['world']} ranks); at {self.world} ranks batch_size must be "
                     f"{position['global_batch'] / self.world:g} to keep it, got {self.batch_size}")
-        self._module().load_state_dict(_load(os.path.join(path, "model.pt")))
-        if self.optimizer is not None and not isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            self.optimizer.load_state_dict(train["optimizer"])
+        if not sharded:  # FSDP2's: _load_whole
+            self._module().load_state_dict(_load(os.path.join(path, "model.pt")))
+            if self._whole_optimizer() is not None:
+                self.optimizer.load_state_dict(train["optimizer"])
         self._load_small(train)
         if self.rank < manifest["world"]:
             rng = _load(os.path.join(path, f"rng-rank{self.rank:05d}.pt"))

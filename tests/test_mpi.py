@@ -736,12 +736,15 @@ def reshards(tmp_path_factory) -> dict[str, str]:
 
 
 def test_distributed_checkpoint_saved_at_4_ranks_loads_at_2(reshards):
-    """FSDP2 sharded state through torch.distributed.checkpoint, resharded from 4 ranks to 2."""
+    """FSDP2 sharded state through torch.distributed.checkpoint, resharded from 4 ranks to 2;
+    and the same state through mpidp.Checkpointer (whole), resumed at 2 ranks."""
     folder = reshards["dir dcp"]
     assert "saved at 4 ranks" in reshards[f"tests/mpi/dcp_reshard.py save {folder}"]
     assert (Path(folder) / ".metadata").exists()
+    assert len(list(Path(folder).glob("ckpt/step-000000002/optimizer.pt"))) == 1
     out = reshards[f"tests/mpi/dcp_reshard.py load {folder}"]
     assert "loaded at 2 ranks: max |loaded - saved| = 0.0e+00" in out, out
+    assert "the Checkpointer's resume: max |resumed - saved| = 0.0e+00, the same step" in out, out
 
 
 @pytest.mark.parametrize("saved,loaded,stage", [(4, 2, 2), (2, 4, 1)])

@@ -36,7 +36,8 @@ from mpi4py import MPI
 from .. import comm as _comm
 from . import healing as _groups
 
-__all__ = ["Shards", "is_fsdp", "problem", "whole_state", "load"]
+__all__ = ["Shards", "is_fsdp", "is_sharded", "problem", "whole_state", "full_state", "mismatch",
+           "load"]
 
 _TAG = 7  # the partner copy's messages on the Healer's communicator
 _c10d = dist.distributed_c10d
@@ -48,6 +49,17 @@ def is_fsdp(model) -> bool:
 
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def is_sharded(model) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2's shards, its root sharded or only
+    inner modules): its ``state_dict()`` is then this rank's part alone (local)."""
+    import sys
+
+    if is_fsdp(model):
+        return True
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 def problem(model, optimizer) -> str | None:
@@ -186,9 +198,65 @@ def whole_state(copy_: dict, flats: dict[int, torch.Tensor]) -> tuple[dict, dict
     return model, {"state": state, "param_groups": copy.deepcopy(copy_["groups"])}
 
 
-def load(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
+def full_state(model, optimizer) -> tuple[dict, dict | None]:
+    """The whole model and optimizer states (torch's full state dict form, keyed by parameter
+    name, in CPU memory) on rank 0, empty dicts on the others; None for no ``optimizer``
+    (collective over the model's group: torch's gathers, one parameter at a time)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+    on_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=on_rank0)
+    if optimizer is None:
+        return model_state, None
+    return model_state, get_optimizer_state_dict(model, optimizer, options=on_rank0)
+
+
+def mismatch(model, optimizer, model_state: dict, optimizer_state: dict | None) -> str | None:
+    """Why the whole states (``full_state``'s) cannot load into ``model`` and ``optimizer``
+    (names, shapes, dtypes, parameter groups); None: they can (local). Checked before
+    ``load``, whose collective calls a rank failing alone would leave the others waiting in."""
+    from torch.distributed.tensor import DTensor
+
+    want = {name: (tuple(value.shape), value.dtype) for name, value in model.state_dict().items()
+            if isinstance(value, torch.Tensor)}
+    for name, value in model_state.items():
+        if isinstance(value, DTensor):
+            return (f"its {name} is a DTensor (one rank's shard: saved as rank 0's "
+                    f"state_dict()), not the whole tensor")
+    got = {name: (tuple(value.shape), value.dtype) for name, value in model_state.items()
+           if isinstance(value, torch.Tensor)}
+    if sorted(got) != sorted(want):
+        return (f"the model's tensors are not the saved ones: saved only "
+                f"{sorted(set(got) - set(want))}, the model's only {sorted(set(want) - set(got))}")
+    for name, (shape, dtype) in want.items():
+        if got[name] != (shape, dtype):
+            return (f"its {name} is {list(got[name][0])} {got[name][1]}, the model's "
+                    f"{list(shape)} {dtype}")
+    if optimizer is None:
+        return None
+    params = dict(model.named_parameters())
+    name_of = {id(p): name for name, p in params.items()}
+    groups = [[name_of.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+    if [list(group["params"]) for group in optimizer_state["param_groups"]] != groups:
+        return ("the optimizer's parameter groups do not step the parameters the saved "
+                "optimizer's did, group for group")
+    for name, state in optimizer_state["state"].items():
+        for key, value in state.items():
+            shape = params[name].shape
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != shape:
+                return (f"its optimizer state {key} of {name} is {list(value.shape)}, the "
+                        f"parameter {list(shape)}")
+    return None
+
+
+def load(model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
     """Load the whole states into a new FSDP2 ``model`` and its ``optimizer`` (collective over
-    the default group: torch's calls).
+    the default group: torch's calls; ``optimizer`` None: the model alone).
+
+    Every rank passes the whole states (``full_state_dict=True``): torch's
+    ``broadcast_from_rank0`` cannot run over ``"mpidp"``, whose group registers no device
+    types (``_broadcast_tensors`` reads ``pg._device_types[0]``: IndexError).
 
     torch's ``set_optimizer_state_dict`` first steps an optimizer that has no state yet
     with zero gradients and a zero learning rate, to make its state: a parameter that had
@@ -200,6 +268,8 @@ def load(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
 
     whole = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=whole)
+    if optimizer is None:
+        return
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=whole)
     for name, param in model.named_parameters():
         if name not in optimizer_state["state"]:

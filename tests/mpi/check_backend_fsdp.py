@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mpi4py import MPI
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -89,10 +90,14 @@ def batch(name: str, step: int):
 
 def train(model, optimizer, name, steps, shards, index):
     for step in range(steps):
-        x, y = batch(name, step)
-        optimizer.zero_grad()
-        F.mse_loss(model(x.chunk(shards)[index]), y.chunk(shards)[index]).backward()
-        optimizer.step()
+        train_step(model, optimizer, name, step, shards, index)
+
+
+def train_step(model, optimizer, name, step, shards=SIZE, index=RANK):
+    x, y = batch(name, step)
+    optimizer.zero_grad()
+    F.mse_loss(model(x.chunk(shards)[index]), y.chunk(shards)[index]).backward()
+    optimizer.step()
 
 
 def max_rel_diff(sharded: nn.Module, local: nn.Module) -> float:
@@ -169,6 +174,74 @@ def test_distributed_checkpoint_round_trip(shared_dir):
     train(fresh, fresh_opt, "transformer", 1, SIZE, RANK)
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
+
+
+def whole(model, optimizer) -> list:
+    """The whole model and optimizer state on every rank, flattened: [(key, value)] (collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(full_state_dict=True))
+    flat = []
+
+    def walk(key, value):
+        if isinstance(value, dict):
+            for k in sorted(value, key=str):
+                walk(f"{key}/{k}", value[k])
+        elif isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                walk(f"{key}[{k}]", v)
+        else:  # a copy: Adam's step is the optimizer's own tensor, which steps in place
+            flat.append((key, value.clone() if torch.is_tensor(value) else value))
+    walk("", {"model": model_state, "optim": optim_state})
+    return flat
+
+
+def differences(got: list, expected: list) -> list:
+    """The keys where ``got`` and ``expected`` (``whole``'s) differ, bit for bit."""
+    if [k for k, _ in got] != [k for k, _ in expected]:
+        return [f"keys: {[k for k, _ in got]} != {[k for k, _ in expected]}"]
+    return [key for (key, g), (_, e) in zip(got, expected)
+            if not (torch.equal(g, e) and g.dtype == e.dtype if torch.is_tensor(e) else g == e)]
+
+
+@pytest.mark.skipif(SIZE != 2, reason="2 ranks: tests/mpi/dcp_reshard.py saves at 4 (and "
+                                       "resumes at 2)")
+def test_checkpointer_saves_and_resumes_fsdp2_state_whole(shared_dir):
+    """mpidp.Checkpointer with an FSDP2 model: the save is the whole state (not rank 0's
+    shards), a resume into a fresh model gives every rank its own shards of it, bit for bit,
+    and the next step equals the uninterrupted run's; a model of other shapes is refused on
+    every rank. Another size: tests/mpi/dcp_reshard.py."""
+    def make(seed, width=33):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(10, width), nn.Tanh(), nn.Linear(width, 5)).double()
+        model = shard_model(model)
+        return model, OPTIMIZERS["adam"](model.parameters())
+
+    model, opt = make(0)
+    saver = mpidp.Checkpointer(shared_dir, model=model, optimizer=opt, signals=())
+    for step in range(2):
+        train_step(model, opt, "mlp", step)
+        saver.step()
+    saver.save()
+    saver.close()
+    saved = whole(model, opt)
+    train_step(model, opt, "mlp", 2)
+
+    fresh, fresh_opt = make(1)  # other weights, no optimizer state yet
+    loader = mpidp.Checkpointer(shared_dir, model=fresh, optimizer=fresh_opt, signals=())
+    assert loader.resume() == 2
+    loader.close()
+    assert differences(whole(fresh, fresh_opt), saved) == []
+    train_step(fresh, fresh_opt, "mlp", 2)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+    other, other_opt = make(1, width=34)
+    loader = mpidp.Checkpointer(shared_dir, model=other, optimizer=other_opt, signals=())
+    with pytest.raises(ValueError, match=r"does not fit the FSDP2 model.*0\.weight is \[33, 10\]"):
+        loader.resume()
+    loader.close()
+    with pytest.raises(TypeError, match=r"FSDP2 \(DTensor parameters\) on every rank or on none"):
+        mpidp.Checkpointer(shared_dir, model=fresh if RANK else build("mlp"), signals=())
 
 
 @four_ranks

@@ -6,10 +6,13 @@
 Over "mpidp" as torch's default group. ``save`` trains a sharded transformer two
 Adam steps and writes its sharded model and optimizer state with
 ``torch.distributed.checkpoint`` to DIR, plus the full state (rank 0,
-``torch.save``) for comparison. ``load`` shards a differently initialised
+``torch.save``) for comparison, and saves the same state through an
+``mpidp.Checkpointer`` in DIR/ckpt. ``load`` shards a differently initialised
 model over its own ranks, loads DIR into it (resharding), checks that the full
 state equals the saved one exactly, then trains one more step and checks it
-against one process continuing from the full copy. Exits non-zero on a mismatch.
+against one process continuing from the full copy; a second fresh model resumes
+from DIR/ckpt (the Checkpointer, at another size) and must hold the saved full
+state and take the same step bit for bit. Exits non-zero on a mismatch.
 """
 
 import sys
@@ -88,8 +91,13 @@ def main():
     rank, size = dist.get_rank(), dist.get_world_size()
     if mode == "save":
         model, optimizer = build(0, sharded=True)
+        checkpointer = mpidp.Checkpointer(directory / "ckpt", model=model, optimizer=optimizer,
+                                          signals=())
         for number in range(2):
             step(model, optimizer, number, rank, size)
+            checkpointer.step()
+        checkpointer.save()
+        checkpointer.close()
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
         full = full_state(model, optimizer)
@@ -107,16 +115,28 @@ def main():
         loaded = compare(full_state(model, optimizer), saved)
         assert loaded == 0.0, f"loaded state differs from the saved one by {loaded}"
 
+        resumed, resumed_opt = build(3, sharded=True)
+        checkpointer = mpidp.Checkpointer(directory / "ckpt", model=resumed,
+                                          optimizer=resumed_opt, signals=())
+        assert checkpointer.resume() == 2
+        checkpointer.close()
+        through = compare(full_state(resumed, resumed_opt), saved)
+        assert through == 0.0, f"the Checkpointer's resume differs from the saved state by {through}"
+
         local, local_opt = build(2, sharded=False)  # one process, from the full copy
         set_state_dict(local, local_opt, model_state_dict=saved["model"],
                        optim_state_dict=saved["optim"])
         step(model, optimizer, 2, rank, size)
+        step(resumed, resumed_opt, 2, rank, size)
         step(local, local_opt, 2, 0, 1)
+        assert all(torch.equal(p.to_local(), q.to_local())
+                   for p, q in zip(model.parameters(), resumed.parameters()))
         worst = max(((p.full_tensor() - q).abs().max() / q.abs().max()).item()
                     for p, q in zip(model.parameters(), local.parameters()))
         if rank == 0:
             print(f"loaded at {size} ranks: max |loaded - saved| = {loaded:.1e}; after one more "
-                  f"step, max relative difference from one process = {worst:.3e}")
+                  f"step, max relative difference from one process = {worst:.3e}; the "
+                  f"Checkpointer's resume: max |resumed - saved| = {through:.1e}, the same step")
         assert worst < 1e-9, worst
     else:
         raise SystemExit(f"usage: {sys.argv[0]} save|load DIR")
