@@ -270,7 +270,9 @@ def load(model, optimizer, model_state: dict, optimizer_state: dict | None) -> N
     set_model_state_dict(model, model_state, options=whole)
     if optimizer is None:
         return
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=whole)
+    # strict=False: a parameter without optimizer state (no gradient yet) is torch's error
+    set_optimizer_state_dict(model, optimizer, optimizer_state,
+                             options=StateDictOptions(full_state_dict=True, strict=False))
     for name, param in model.named_parameters():
         if name not in optimizer_state["state"]:
             optimizer.state.pop(param, None)

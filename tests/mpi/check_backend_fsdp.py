@@ -209,10 +209,13 @@ def test_checkpointer_saves_and_resumes_fsdp2_state_whole(shared_dir):
     """mpidp.Checkpointer with an FSDP2 model: the save is the whole state (not rank 0's
     shards), a resume into a fresh model gives every rank its own shards of it, bit for bit,
     and the next step equals the uninterrupted run's; a model of other shapes is refused on
-    every rank. Another size: tests/mpi/dcp_reshard.py."""
+    every rank. A parameter without optimizer state gets none. Another size:
+    tests/mpi/dcp_reshard.py."""
     def make(seed, width=33):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(10, width), nn.Tanh(), nn.Linear(width, 5)).double()
+        # unused by forward: no gradient, so no Adam state to save
+        model.register_parameter("spare", nn.Parameter(torch.ones(4, 3, dtype=torch.float64)))
         model = shard_model(model)
         return model, OPTIMIZERS["adam"](model.parameters())
 
@@ -231,6 +234,7 @@ def test_checkpointer_saves_and_resumes_fsdp2_state_whole(shared_dir):
     assert loader.resume() == 2
     loader.close()
     assert differences(whole(fresh, fresh_opt), saved) == []
+    assert fresh.spare not in fresh_opt.state
     train_step(fresh, fresh_opt, "mlp", 2)
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
