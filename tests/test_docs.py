@@ -240,8 +240,9 @@ HAND_KEPT = re.compile(
     r"\b\d[\d,]*\s+(?:tests?|passed|skipped|failed)\b"    # "286 tests", "269 passed"
     r"|\bpassed in\b"                                     # pytest's closing line
     r"|\b\d+\s+minutes?\s+\d+\s+seconds?\b"               # "13 minutes 45 seconds"
-    r"|(?<!\d{4}-\d\d-\d\d )(?<![=:])\b\d{1,2}:\d\d\b",   # "13:45" (a report's date and time, a
-                                                          # setting's value "=3:13:...", are fine)
+    r"|(?<!\d{4}-\d\d-\d\d )(?<![=:])\b\d{1,2}:\d\d\b(?!:)",  # "13:45" (a report's date and time,
+                                                          # a setting's value "=3:13:...", a kill
+                                                          # "--kill 2:60:allgather", are fine)
     re.I)
 
 
