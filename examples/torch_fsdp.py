@@ -21,7 +21,7 @@ With ``--checkpoint-dir``, the same training goes through a Checkpointer and an
 ``mpidp.Healer`` given ``rebuild=make`` instead (``train_healing``): launched with
 ``mpirun --with-ft ulfm`` (Open MPI), a lost rank's shards come back from the
 partner copy the next rank keeps, ``make`` shards a new model over the survivors
-and the loop goes on with it (docs/healing.md, "FSDP2 under a heal"); it prints
+and the loop goes on with it (docs/healing-frameworks.md, "FSDP2 under a heal"); it prints
 ``step S loss L`` for every step (L in repr) and checks nothing at the end::
 
     mpirun --with-ft ulfm -n 4 python examples/torch_fsdp.py --checkpoint-dir ckpt
