@@ -6,6 +6,8 @@ any rank prints a one-line summary, then its traceback, and calls
 leaving with a non-zero status through ``sys.exit(...)``, ``exit(...)`` or
 ``quit(...)`` aborts the job the same way; a bare ``raise SystemExit(3)``
 cannot be seen (Python hands its status to no hook) and still hangs the others.
+Under ULFM (``mpirun --with-ft ulfm``), where MPI_Abort does not end the job, the
+rank sends SIGTERM to its launcher, prterun or prted, which ends the launch instead.
 Set ``MPIDP_ABORT_ON_EXCEPTION=0`` before importing mpidp, or call
 ``abort_on_exception(False)``, to keep Python's default behaviour.
 """
@@ -18,6 +20,7 @@ import ctypes
 import dis
 import fcntl
 import os
+import signal
 import stat
 import sys
 import termios
@@ -29,7 +32,7 @@ from mpi4py import MPI
 from . import errors, stacks
 
 __all__ = ["abort_on_exception", "abort_for_exit", "arm", "ending", "remember_exit",
-           "set_call_describer", "set_last_words"]
+           "set_call_describer", "set_last_words", "ulfm"]
 
 
 def _not_yet() -> bool:
@@ -90,8 +93,45 @@ def _abort(lines: list[str], status: int) -> None:
     while (_unread_bytes(1) or _unread_bytes(2)) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(_GRACE_SECONDS)
-    MPI.COMM_WORLD.Abort(status)
+    if not (ulfm() and _stop_launcher()):
+        MPI.COMM_WORLD.Abort(status)
     os._exit(status)  # MPI_Abort was seen to return when called from a thread (MPICH 5.0)
+
+
+# Under ULFM, Open MPI 5.0's launcher (PRRTE 3.0) takes MPI_Abort as the loss of one rank:
+# it tells the others and lets them go on (at 4 ranks they ran to their end, and prterun
+# then waited forever), and MPI_Abort on two ranks at once left prterun waiting forever
+# on a lock of an object already freed, or ending the launch with status 0. What ends
+# the launch there is the launcher's own end: SIGTERM to the rank's parent, prterun (or
+# prted on another node, whose loss ends the job), which kills every rank, this one too.
+_PRRTE = ("prterun", "prted", "prte")
+_LAUNCHER_SECONDS = 10.0  # longest wait for the launcher to kill this rank
+
+
+def _stop_launcher() -> bool:
+    """SIGTERM to this rank's PRRTE parent, then wait to be killed; False if there is none."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/comm") as comm:
+            if comm.read().strip() not in _PRRTE:
+                return False
+        os.kill(parent, signal.SIGTERM)
+    except OSError:
+        return False
+    time.sleep(_LAUNCHER_SECONDS)
+    return True
+
+
+_ON = ("1", "true", "yes", "on", "enabled")
+
+
+def ulfm() -> bool:
+    """Whether this MPI library goes on after a lost rank: Open MPI under ``mpirun --with-ft ulfm``.
+
+    The same on every rank: the launcher sets it for the whole job.
+    """
+    return ("Open MPI" in MPI.Get_library_version() and hasattr(MPI.Comm, "Shrink")
+            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in _ON)
 
 
 def _abort_excepthook(exc_type, exc, tb) -> None:

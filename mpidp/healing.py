@@ -93,8 +93,6 @@ from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["Healer", "ulfm"]
 
-_ON = ("1", "true", "yes", "on", "enabled")
-
 
 def ulfm() -> bool:
     """Whether this MPI library goes on after a lost rank: Open MPI under ``mpirun --with-ft ulfm``.
@@ -102,8 +100,7 @@ def ulfm() -> bool:
     The same on every rank: the launcher sets it for the whole job.
     """
     runtime.require_mpi()
-    return ("Open MPI" in MPI.Get_library_version() and hasattr(MPI.Comm, "Shrink")
-            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in _ON)
+    return exits.ulfm()
 
 
 def _leave_without_finalize() -> None:

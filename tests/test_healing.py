@@ -182,6 +182,17 @@ def test_a_stall_after_a_lost_rank_is_reported_and_ends_the_job():
     assert result.returncode != 0
 
 
+def test_an_error_on_one_rank_ends_the_launch_while_the_others_wait_outside_mpi():
+    """Under ULFM, MPI_Abort of one rank let the others run on (past 3 ranks) and prterun then
+    wait forever; from two ranks at once it could hang prterun at 2 ranks. mpidp ends the
+    launch there through the launcher (mpidp/exits.py): rank 1 of 4 raises, the others
+    sleep past the time limit."""
+    result = _ulfm_run(_openmpi_python(), 4, ["tests/mpi/ulfm_abort.py"], timeout=90)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "ran to its end" not in output, output[-4000:]
+    assert "[mpidp rank 1/4] ValueError: rank 1 fails" in output, output[-4000:]
+
+
 def _strings(output: str) -> dict[str, str]:
     return dict(LINE.findall(output))
 
