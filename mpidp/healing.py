@@ -249,7 +249,7 @@ class Healer:
             None where the Checkpointer has none). A heal calls it on every survivor,
             loads the state of the step it goes back to into what it returns, and puts
             them in the Checkpointer, where the loop takes them at each batch
-            (``mpidp.process_group.fsdp``, docs/healing.md).
+            (``mpidp.process_group.fsdp``, docs/healing-frameworks.md).
 
     Attributes:
         active: whether this job can heal (``ulfm()`` and more than one rank).
