@@ -214,10 +214,8 @@ class _Progress:
             while queue:
                 work = queue[0]
                 chunks = work._chunks
-                if work._state == "pending" and work._group._aborted is not None:
-                    # spoilt by a call that differed across ranks (its _spoilt): MPI may never
-                    # end the operations that followed it
-                    self._abandoned.extend(work._fail(work._group._aborted_error()))
+                if work._state == "pending" and work._failed_if_spoilt():
+                    pass  # MPI may never end the operations that followed a differing call
                 elif work._state == "pending" and not work._test():
                     if chunks is not None and chunks.moved:
                         # a chunk started: keep testing without sleeping (a nonblocking

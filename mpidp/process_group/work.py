@@ -224,10 +224,23 @@ class Work(dist.Work):
 
     def _claim(self) -> bool:
         with progress.lock:
-            claimed = self._state == "pending"
+            claimed = self._state == "pending" and not self._failed_if_spoilt()
             if claimed:
                 self._state = "claimed"
         return claimed
+
+    def _failed_if_spoilt(self) -> bool:
+        """Fail a pending Work of a group a differing call spoilt (under progress.lock).
+
+        Whichever thread would complete it next, the progress thread or one that claims it
+        in ``wait()``: a Work completes after the group's earlier ones, so every rank has
+        seen the same checks when it gets here and fails the same Works (MPI may still end
+        some of them on one rank, what it leaves on the communicators being undefined).
+        """
+        if self._group is None or getattr(self._group, "_aborted", None) is None:
+            return False
+        abandon(self._fail(self._group._aborted_error()))
+        return True
 
     def _wait_claimed(self, deadline, explicit: bool) -> None:
         """Wait on this Work's own requests on this thread (rule 4)."""

@@ -250,6 +250,28 @@ def test_a_call_that_differs_raises_on_every_rank_and_spoils_only_a_group_it_rea
     _goes_on_or_was_aborted(fresh_group(), started=False)
 
 
+def test_a_work_issued_before_a_differing_call_was_known_fails_alike_when_waited(
+        fresh_group, monkeypatch):
+    """The later Work of the test above, waited by the program's thread before the progress
+    thread looked (a CI run saw it: 'done' on rank 0, where MPI ended it on the undefined
+    communicators, 'aborted' on rank 1): it fails on every rank, whoever claims it."""
+    if SIZE == 1 or mpidp.comm.checks._DEBUG:
+        pytest.skip("needs two ranks, and the call check (MPIDP_DEBUG checks first)")
+    group = fresh_group()
+    dist.barrier(group=group)  # the progress thread has nothing of this group's queued
+    monkeypatch.setattr(_work.progress, "_test", lambda: [])  # it completes nothing now
+    work = dist.all_reduce(torch.ones(10 + 7 * (RANK % 2)), group=group, async_op=True)
+    later = dist.all_reduce(torch.ones(3), group=group, async_op=True)
+    with _differs(r"element count from \d+ to \d+"):
+        work.wait()
+    with pytest.raises(dist.DistBackendError, match="a call differed across ranks after it"):
+        later.wait()
+    assert not later.is_success() and MPI.COMM_WORLD.allreduce(1) == SIZE
+    monkeypatch.undo()
+    with pytest.raises(dist.DistBackendError, match="a call differed across ranks after it"):
+        later.get_future().wait()
+
+
 def test_broadcast_reduce_and_reduce_scatter_calls_that_differ_raise_on_every_rank(fresh_group):
     if SIZE == 1:
         pytest.skip("needs two ranks")
