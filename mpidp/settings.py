@@ -107,8 +107,8 @@ SETTINGS: dict[str, Setting] = {setting.name: setting for setting in _DECLARED}
 
 # Read by the tests and the job scripts, never by mpidp (docs/environment.md's second table):
 # the doctor knows them, so they are not reported as unknown.
-OTHERS = ("MPIDP_DRY_RUN", "MPIDP_TEST_GPU", "MPIDP_TEST_OPENMPI", "MPIDP_TEST_PATH",
-          "MPIDP_TEST_PRRTE")
+OTHERS = ("MPIDP_DRY_RUN", "MPIDP_TEST_GPU", "MPIDP_TEST_IMPI", "MPIDP_TEST_OPENMPI",
+          "MPIDP_TEST_PATH", "MPIDP_TEST_PRRTE")
 
 _tolerant = False  # tolerate_bad_values() was called
 
