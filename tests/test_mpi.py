@@ -4,6 +4,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -812,21 +813,45 @@ JOBSCRIPTS = {"slurm-cpu.sh": "srun --mpi=pmi2 --cpu-bind=cores",
               "slurm-gpu.sh": "srun --mpi=pmi2 --cpu-bind=cores --gpu-bind",
               "pbs.sh": "mpiexec -n 4 -ppn 2 -bind-to numa",
               "workstation.sh": f"mpiexec -n 2 -bind-to core:{max(1, len(os.sched_getaffinity(0)) // 2)}"}
+# The cluster scripts' dry runs hand the same two commands to one local stand-in launch
+# (LAUNCH=(mpiexec -n 2 -bind-to core)): the first of them runs it, the others show they would
+# run exactly what it ran (a few seconds of doctor and training each, on CI's 2 cores).
+STAND_IN = ["mpiexec -n 2 -bind-to core python -m mpidp doctor",
+            "mpiexec -n 2 -bind-to core python examples/train_digits.py --epochs 1"]
+STAND_IN_RUNS = "slurm-cpu.sh"
+# What a jobscript hands to mpiexec, from where and with how many threads: this mpiexec, first
+# on PATH, writes it down, then runs the real one (JOBSCRIPT_MPIEXEC) or nothing.
+RECORDING_MPIEXEC = """#!/bin/bash
+echo "$PWD OMP_NUM_THREADS=${OMP_NUM_THREADS:-} mpiexec $*" >> "$JOBSCRIPT_RECORD"
+if [[ -n "${JOBSCRIPT_MPIEXEC:-}" ]]; then exec "$JOBSCRIPT_MPIEXEC" "$@"; fi
+"""
 
 
 @pytest.mark.parametrize("script", sorted(JOBSCRIPTS))
-def test_jobscript_parses_and_its_launch_runs_locally(script):
+def test_jobscript_parses_and_its_launch_runs_locally(script, tmp_path):
     path = launch.ROOT / "jobscripts" / script
     subprocess.run(["bash", "-n", str(path)], check=True)
     env = dict(os.environ, MPIDP_DRY_RUN="1", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     if script == "workstation.sh":
         env["NRANKS"] = "2"
+    runs = script in ("workstation.sh", STAND_IN_RUNS)
+    if runs:
+        env["JOBSCRIPT_MPIEXEC"] = shutil.which("mpiexec", path=env["PATH"])
+    (tmp_path / "mpiexec").write_text(RECORDING_MPIEXEC)
+    (tmp_path / "mpiexec").chmod(0o755)
+    env.update(PATH=f"{tmp_path}{os.pathsep}{env['PATH']}",
+               JOBSCRIPT_RECORD=str(tmp_path / "record"))
     result = subprocess.run(["bash", str(path)], cwd=launch.ROOT, env=env, capture_output=True,
                             text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert JOBSCRIPTS[script] in result.stdout.splitlines()[0]
-    # the doctor passes a correct setup (its seeded misconfigurations: test_doctor.py)
-    assert doctor_tests.doctor_passes(result.stdout), result.stdout
-    assert "mpidp doctor: no problems found" in result.stdout, result.stdout
-    assert "final parameter checksum" in result.stdout
+    recorded = (tmp_path / "record").read_text().splitlines()
+    if script != "workstation.sh":
+        assert recorded == [f"{launch.ROOT} OMP_NUM_THREADS=1 {line}" for line in STAND_IN], \
+            recorded
+    if runs:
+        # the doctor passes a correct setup (its seeded misconfigurations: test_doctor.py)
+        assert doctor_tests.doctor_passes(result.stdout), result.stdout
+        assert "mpidp doctor: no problems found" in result.stdout, result.stdout
+        assert "final parameter checksum" in result.stdout
