@@ -57,6 +57,7 @@ import importlib
 import os
 import time
 
+import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
@@ -77,6 +78,9 @@ from ..rendezvous import init_process_group  # noqa: F401  (its home before mpid
 __all__ = ["BACKEND", "ProcessGroupMPIDP", "init_process_group", "register"]
 
 BACKEND = "mpidp"
+# the tensors' devices a group moves: CUDA tensors through CUDA-aware MPI or host staging
+# (mpidp.cuda); "cpu" first, as torch prefers it for object collectives and barriers
+_DEVICES = ("cpu", "cuda")
 _SCHEME = _rendezvous.SCHEME
 
 # torch.distributed re-exports a function named rendezvous over the module's name
@@ -88,7 +92,7 @@ _rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
 def register() -> None:
     """Register backend ``"mpidp"`` and rendezvous scheme ``mpidp://`` with torch (idempotent)."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(_DEVICES))
     if _SCHEME not in _rendezvous_module._rendezvous_handlers:
         _rendezvous_module.register_rendezvous_handler(_SCHEME, _rendezvous.handler)
 
@@ -226,6 +230,14 @@ class ProcessGroupMPIDP(Operations, dist.ProcessGroup):
     # estimates, FSDP's allocator); this group is its own backend and supports none of it.
     def _get_backend(self, device=None):
         return _NoExtensions
+
+    # torch reads a group's devices from the C++ backends registered on it, one per device,
+    # and registers none on a group that is its own backend (a Python ProcessGroup), so the
+    # list would be empty: broadcast_from_rank0 indexes it (IndexError) and DCP's
+    # _get_pg_default_device raises. The group answers register()'s devices, as gloo's does.
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(device) for device in _DEVICES]
 
     def _start_coalescing(self, device) -> None:
         """torch's ``_coalescing_manager(device=...)``: collect the Works until the end."""

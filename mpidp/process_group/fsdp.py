@@ -254,9 +254,8 @@ def load(model, optimizer, model_state: dict, optimizer_state: dict | None) -> N
     """Load the whole states into a new FSDP2 ``model`` and its ``optimizer`` (collective over
     the default group: torch's calls; ``optimizer`` None: the model alone).
 
-    Every rank passes the whole states (``full_state_dict=True``): torch's
-    ``broadcast_from_rank0`` cannot run over ``"mpidp"``, whose group registers no device
-    types (``_broadcast_tensors`` reads ``pg._device_types[0]``: IndexError).
+    Every rank passes the whole states (``full_state_dict=True``), as every rank holds
+    them here (a heal's survivors, a resume's readers), so nothing is broadcast.
 
     torch's ``set_optimizer_state_dict`` first steps an optimizer that has no state yet
     with zero gradients and a zero learning rate, to make its state: a parameter that had

@@ -13,7 +13,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mpi4py import MPI
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+from torch.distributed._state_dict_utils import _broadcast_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -174,6 +176,70 @@ def test_distributed_checkpoint_round_trip(shared_dir):
     train(fresh, fresh_opt, "transformer", 1, SIZE, RANK)
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
+
+
+@pytest.fixture(scope="module")
+def gloo(default_group):
+    """A gloo group of every rank beside the default group of "mpidp"."""
+    group = dist.new_group(backend="gloo")
+    yield group
+    dist.destroy_process_group(group)
+
+
+def test_groups_declare_their_devices_as_gloo_does(gloo):
+    """torch asks a group for its device types (broadcast_from_rank0, DCP's default device,
+    the object collectives' device); the group of "mpidp" names gloo's, "cpu" preferred."""
+    c10d = dist.distributed_c10d
+    subgroup = dist.new_group(backend="mpidp")
+    for group in (None, subgroup):
+        assert sorted(c10d._device_capability(group)) == sorted(c10d._device_capability(gloo))
+        assert c10d._get_object_coll_device(group) == c10d._get_object_coll_device(gloo) == "cpu"
+        with pytest.warns(UserWarning, match="Multiple backends"):  # as gloo's: cpu and cuda
+            assert c10d._get_pg_default_device(group) == torch.device("cpu")
+    dist.destroy_process_group(subgroup)
+
+
+def with_buffers(seed: int) -> nn.Module:
+    # uneven shards of 33 rows, and a 0-dim buffer (num_batches_tracked) torch sends as an object
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(10, 33), nn.BatchNorm1d(33), nn.Linear(33, 5)).double()
+    model[1].num_batches_tracked += 7
+    return model
+
+
+def full(tensor):
+    """A DTensor's whole tensor (collective), a tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp2"])
+def test_broadcast_from_rank0_gives_every_rank_rank0s_state_as_gloo_does(gloo, sharded):
+    """set_model_state_dict(broadcast_from_rank0=True) over "mpidp" loads rank 0's state into
+    every rank (FSDP2: into each rank's shards), exactly; torch's broadcast under it gives the
+    same over "mpidp" and over gloo."""
+    expected = with_buffers(0).state_dict()
+
+    def fresh():  # other values on every rank, rank 0 too
+        model = with_buffers(RANK + 1)
+        return shard_model(model) if sharded else model
+
+    def rank0s():  # torch may keep rank 0's tensors: a copy each time
+        return {key: value.clone() for key, value in expected.items()} if RANK == 0 else {}
+
+    model = fresh()
+    assert not torch.equal(full(model.state_dict()["0.weight"]), expected["0.weight"])
+    set_model_state_dict(model, rank0s(), options=StateDictOptions(full_state_dict=True,
+                                                                   broadcast_from_rank0=True))
+    got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value) and got[key].dtype == value.dtype, key
+    for name, group in (("mpidp", None), ("gloo", gloo)):
+        states = fresh().state_dict()
+        _broadcast_state_dict(rank0s(), states, torch.device("cpu"), pg=group)
+        for key, value in expected.items():
+            loaded = full(states[key])
+            assert torch.equal(loaded, value) and loaded.dtype == value.dtype, (name, key)
 
 
 def whole(model, optimizer) -> list:
