@@ -15,7 +15,8 @@ every step the uninterrupted 4-rank run's loss string (one launch, first). It
 prints one line per launch, then matched/total and the times from the kill
 to the heal's line (the spare training again) and the Healer's own figure.
 
-``--cost``: launches of 4 ranks, 4+1 and 4+2 with the spares idle, interleaved,
+``--cost`` (the finer measurement, at 2 trainers: bench/spare_cost.py): launches of 4
+ranks, 4+1 and 4+2 with the spares idle, interleaved,
 no pace, 300 steps: the time per step from step 50 to 250 (rank 0's lines as they
 reach this process), and the CPU seconds each rank used meanwhile.
 Needs the Open MPI environment of tests/test_healing.py (``.venv-ompi``).
@@ -53,11 +54,12 @@ def _command(nprocs: int, directory: str, *extra: str) -> list[str]:
 
 
 def _launch_rank(pid: int) -> int | None:
-    """The launch rank of process ``pid`` (Open MPI's environment), or None once it is gone."""
+    """The launch rank of process ``pid`` (Open MPI's or MPICH's environment), or None once
+    it is gone."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             for entry in f.read().split(b"\0"):
-                if entry.startswith(b"OMPI_COMM_WORLD_RANK="):
+                if entry.startswith((b"OMPI_COMM_WORLD_RANK=", b"PMI_RANK=")):
                     return int(entry.split(b"=", 1)[1])
     except OSError:
         return None
