@@ -168,6 +168,9 @@ def main() -> None:
     args = parser.parse_args()
     if 0 not in args.spares:
         args.spares.insert(0, 0)
+    if args.trainers < 1 or min(args.spares) < 0 or args.sleepers < 0:
+        raise SystemExit(f"--trainers must be >= 1, --spares and --sleepers >= 0, got "
+                         f"{args.trainers}, {args.spares}, {args.sleepers}")
     if not 0 < args.warmup < args.steps:
         raise SystemExit(f"--warmup must be from 1 to --steps less one, got {args.warmup}")
     plan = [(mpi, spares, 0) for mpi in args.mpi for spares in sorted(args.spares)]
@@ -177,6 +180,15 @@ def main() -> None:
           f"{(guess * args.rounds + guess * len(args.mpi) / len(plan)) / 60:.1f} min expected "
           f"(a step {args.guess_ms} ms, start-up {STARTUP_GUESS['ompi']:.0f} s; "
           f"no round starts past --minutes {args.minutes})", flush=True)
+    runs, rounds, took, load = _take_turns(plan, args)
+    print(f"\n{args.trainers} trainers, {args.steps} steps a launch (the first {args.warmup} left "
+          f"out), {rounds} rounds, {took / 60:.1f} min in all; load average {load:.1f} at the "
+          f"start, {os.getloadavg()[0]:.1f} at the end\n")
+    _table(plan, runs, rounds)
+
+
+def _take_turns(plan: list[tuple], args) -> tuple[dict, int, float, float]:
+    """Rounds of one launch per configuration, then one closing launch without spares per MPI."""
     runs: dict[tuple, list] = {key: [] for key in plan}
     start, rounds, load = time.monotonic(), 0, os.getloadavg()[0]
     while rounds < args.rounds:
@@ -188,20 +200,21 @@ def main() -> None:
                   f"{run['step'] * 1e3:.3f} ms a step; {_describe(run)}", flush=True)
         rounds += 1
         took = time.monotonic() - began
+        closing = took * len(args.mpi) / len(plan)
         if rounds == 1:
             print(f"a round takes {took:.0f} s: all {args.rounds} about "
-                  f"{took * (args.rounds + 0.3) / 60:.1f} min", flush=True)
-        closing = took * len(args.mpi) / len(plan)
+                  f"{(took * args.rounds + closing) / 60:.1f} min", flush=True)
         if time.monotonic() - start + took + closing > args.minutes * 60 and rounds < args.rounds:
             print(f"--minutes {args.minutes}: stopping after {rounds} rounds", flush=True)
             break
-    for mpi in args.mpi:  # the closing launches without spares: every round has one after it
+    for mpi in args.mpi:  # every round has a launch without spares after it
         run = _launch(mpi, args.trainers, 0, 0, args)
         runs[mpi, 0, 0].append(run)
         print(f"closing {mpi} spares=0: {run['step'] * 1e3:.3f} ms a step", flush=True)
-    print(f"\n{args.trainers} trainers, {args.steps} steps a launch (the first {args.warmup} left "
-          f"out), {rounds} rounds, {(time.monotonic() - start) / 60:.1f} min in all; load "
-          f"average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
+    return runs, rounds, time.monotonic() - start, load
+
+
+def _table(plan: list[tuple], runs: dict, rounds: int) -> None:
     print("| configuration | launches | median ms a step | spares' or sleepers' CPU, of a core | "
           "paired ratio to no spares, median | interquartile range | "
           ">= 95 % interval of the median |")
@@ -217,7 +230,6 @@ def main() -> None:
             name = f"{mpi}, {spares} spare(s)" if spares else f"{mpi}, {sleepers} sleeping processes"
             ratios = [run["step"] / pair for run, pair in zip(mine, around)]
         print(_summary(name, mine, ratios))
-
 
 if __name__ == "__main__":
     main()
