@@ -158,8 +158,9 @@ def main() -> None:
     parser.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sleepers", type=int, default=2, help="0: no configuration with them")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--warmup", type=int, default=100, help="steps left out at the start")
+    parser.add_argument("--steps", type=int, default=1100)
+    parser.add_argument("--warmup", type=int, default=200,
+                        help="steps left out at the start (the spares may still be building then)")
     parser.add_argument("--minutes", type=float, default=11.5,
                         help="start no round that would end past this (the closing launches run)")
     parser.add_argument("--guess-ms", type=float, default=3.0,
