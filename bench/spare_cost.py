@@ -18,7 +18,10 @@ the same order, then a last launch without spares per MPI closes the rounds:
 Per launch: the time per step, from the ``--warmup``th step's line to the last
 (rank 0's lines as they reach this process: the mean, in which a preempted step
 counts whole), and per process over that window its CPU seconds and context switches
-(a trainer's involuntary ones: preempted; a spare's voluntary ones: its wake-ups).
+(a trainer's involuntary ones: preempted; a spare's voluntary ones: its wake-ups), and a
+trainer's wait for a core (the scheduler's run delay, as a share of the window): the way
+an idle process on the node takes time from the trainers, seen with less noise than the
+step (the other ways, a message to a spare or a communicator with it, are not in a step).
 Per configuration: the median over launches, and each launch's paired ratio to the
 launches without spares of its MPI on either side of it (the same round's and the
 next's, geometric mean), so that a drift of the machine cancels: median, interquartile
@@ -61,18 +64,21 @@ def _command(mpi: str, nprocs: int, directory: str, *extra: str) -> list[str]:
     return command
 
 
-def _usage(pid: int) -> tuple[float, int, int]:
-    """CPU seconds, voluntary and involuntary context switches of process ``pid`` (all threads)."""
+def _usage(pid: int) -> tuple[float, int, int, float]:
+    """CPU seconds, voluntary and involuntary context switches, and seconds runnable but waiting
+    for a core (the scheduler's run delay) of process ``pid``, all its threads."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    switches = [0, 0]
+    switches, delay = [0, 0], 0
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/status") as f:
             for line in f:
                 if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
                     switches[line.startswith("non")] += int(line.split()[1])
-    return cpu, switches[0], switches[1]
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            delay += int(f.read().split()[1])
+    return cpu, switches[0], switches[1], delay / 1e9
 
 
 def _launch(mpi: str, trainers: int, spares: int, sleepers: int, args) -> dict:
@@ -109,9 +115,10 @@ def _launch(mpi: str, trainers: int, spares: int, sleepers: int, args) -> dict:
                          f"{len(stamps)} steps:\n" + "\n".join(t for _, t in result["lines"][-20:]))
     window = stamps[args.steps] - stamps[args.warmup]
     spent = {name: [b - a for a, b in zip(used[0][name], used[1][name])] for name in used[1]}
-    others = sum(cpu for name, (cpu, _, _) in spent.items() if not _trains(name, trainers))
+    others = sum(use[0] for name, use in spent.items() if not _trains(name, trainers))
+    waited = statistics.mean(use[3] for name, use in spent.items() if _trains(name, trainers))
     return dict(step=window / (args.steps - args.warmup), window=window, spent=spent,
-                trainers=trainers, others=others / window)
+                trainers=trainers, others=others / window, waited=waited / window)
 
 
 def _trains(name: str, trainers: int) -> bool:
@@ -121,9 +128,10 @@ def _trains(name: str, trainers: int) -> bool:
 def _describe(run: dict) -> str:
     """The launch's use by process: CPU s, and switches per second of the window."""
     parts = []
-    for name, (cpu, voluntary, involuntary) in sorted(run["spent"].items()):
+    for name, (cpu, voluntary, involuntary, waited) in sorted(run["spent"].items()):
         parts.append(f"{name} {cpu:.2f} s "
-                     + (f"{involuntary / run['window']:.0f} preempted/s"
+                     + (f"{involuntary / run['window']:.0f} preempted/s, waited "
+                        f"{waited / run['window']:.2%}"
                         if _trains(name, run["trainers"])
                         else f"{voluntary / run['window']:.0f} wake-ups/s"))
     return "; ".join(parts)
@@ -140,7 +148,8 @@ def _median_interval(values: list[float]) -> tuple[float, float]:
 
 def _summary(name: str, runs: list[dict], ratios: list[float]) -> str:
     line = (f"| {name} | {len(runs)} | {statistics.median(r['step'] for r in runs) * 1e3:.3f} | "
-            f"{statistics.median(r['others'] for r in runs):.2%} |")
+            f"{statistics.median(r['others'] for r in runs):.2%} | "
+            f"{statistics.median(r['waited'] for r in runs):.2%} |")
     if len(ratios) < 2:
         return line + " | | |"
     q1, _, q3 = statistics.quantiles(ratios, n=4)
@@ -217,9 +226,9 @@ def _take_turns(plan: list[tuple], args) -> tuple[dict, int, float, float]:
 
 def _table(plan: list[tuple], runs: dict, rounds: int) -> None:
     print("| configuration | launches | median ms a step | spares' or sleepers' CPU, of a core | "
-          "paired ratio to no spares, median | interquartile range | "
-          ">= 95 % interval of the median |")
-    print("|---|---|---|---|---|---|---|")
+          "a trainer's wait for a core | paired ratio to no spares, median | "
+          "interquartile range | >= 95 % interval of the median |")
+    print("|---|---|---|---|---|---|---|---|")
     for mpi, spares, sleepers in plan:
         base = [run["step"] for run in runs[mpi, 0, 0]]
         around = [math.sqrt(base[r] * base[r + 1]) for r in range(rounds)]
