@@ -64,21 +64,28 @@ def _command(mpi: str, nprocs: int, directory: str, *extra: str) -> list[str]:
     return command
 
 
-def _usage(pid: int) -> tuple[float, int, int, float]:
-    """CPU seconds, voluntary and involuntary context switches, and seconds runnable but waiting
-    for a core (the scheduler's run delay) of process ``pid``, all its threads."""
+def _usage(pid: int) -> tuple[float, dict]:
+    """CPU seconds of process ``pid`` (all its threads, ended ones too), and by thread its
+    voluntary and involuntary context switches and seconds runnable but waiting for a core
+    (the scheduler's run delay)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    switches, delay = [0, 0], 0
+    threads = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/status") as f:
-            for line in f:
-                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                    switches[line.startswith("non")] += int(line.split()[1])
+            switches = {key: int(value) for key, value in
+                        (line.split(":") for line in f if "ctxt_switches" in line)}
         with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            delay += int(f.read().split()[1])
-    return cpu, switches[0], switches[1], delay / 1e9
+            delay = int(f.read().split()[1]) / 1e9
+        threads[task] = (switches["voluntary_ctxt_switches"],
+                         switches["nonvoluntary_ctxt_switches"], delay)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), threads
+
+
+def _spent(before: tuple, after: tuple) -> tuple[float, int, int, float]:
+    """CPU seconds, switches and run delay between two ``_usage`` (threads alive at both)."""
+    both = [(before[1][t], after[1][t]) for t in after[1] if t in before[1]]
+    return (after[0] - before[0], *(sum(b[k] - a[k] for a, b in both) for k in range(3)))
 
 
 def _launch(mpi: str, trainers: int, spares: int, sleepers: int, args) -> dict:
@@ -114,7 +121,7 @@ def _launch(mpi: str, trainers: int, spares: int, sleepers: int, args) -> dict:
         raise SystemExit(f"{mpi} spares={spares} sleepers={sleepers}: status {result['status']}, "
                          f"{len(stamps)} steps:\n" + "\n".join(t for _, t in result["lines"][-20:]))
     window = stamps[args.steps] - stamps[args.warmup]
-    spent = {name: [b - a for a, b in zip(used[0][name], used[1][name])] for name in used[1]}
+    spent = {name: _spent(used[0][name], used[1][name]) for name in used[1]}
     others = sum(use[0] for name, use in spent.items() if not _trains(name, trainers))
     waited = statistics.mean(use[3] for name, use in spent.items() if _trains(name, trainers))
     return dict(step=window / (args.steps - args.warmup), window=window, spent=spent,
