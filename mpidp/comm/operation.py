@@ -6,9 +6,17 @@ stands for one MPI request, several that complete together (as ``mpi4py.util.pkl
 Request does), or, as ``Staged``, a reduction in parts started one after another (a
 chunked all_reduce). ``mpidp.comm.progress`` is the one driver that completes any set of
 them; ``_test`` and ``_wait`` here are its primitives, called by nothing else.
+
+Completion is claimed once (docs/concurrency.md, rule 9): an operation's lock is held from
+its MPI test or wait to the end of its settling (the finish), so two threads never touch one
+MPI request at once, the finish runs once, and a thread that finds it done finds it settled.
+A test that finds the lock taken answers "not yet" and never waits for it (rule 3); an error
+is kept and raised again by every later test or wait.
 """
 
 from __future__ import annotations
+
+import threading
 
 from mpi4py import MPI
 
@@ -44,7 +52,7 @@ class Operation:
     """
 
     __slots__ = ("_request", "_tensors", "_finish", "_result", "_label", "_scope", "_ticket",
-                 "_status", "__weakref__")
+                 "_status", "_lock", "_error", "__weakref__")
 
     def __init__(self, request, tensors, result, finish=None, label=None, scope=_HERE, ticket=-1,
                  status=None):
@@ -56,6 +64,8 @@ class Operation:
         self._scope = _watchdog.context() if scope is _HERE else scope
         self._ticket = ticket
         self._status = status
+        self._lock = threading.Lock()  # held by the one thread completing it (rule 9)
+        self._error: BaseException | None = None  # what it failed with, raised again
         _in_flight.add(self)
 
     def wait(self):
@@ -69,10 +79,23 @@ class Operation:
     # -- the driver's primitives (mpidp.comm.progress) ----------------------------------
 
     def _test(self) -> bool:
-        """Test without blocking; once done, settle (True). Raises the mapped MPI error."""
+        """Test without blocking; once done, settle (True). Raises the mapped MPI error.
+
+        False while another thread tests, waits on or settles it (rule 9)."""
+        if self._request is None:
+            return self._ended()
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._test_held()
+        finally:
+            self._lock.release()
+
+    def _test_held(self) -> bool:
+        """``_test`` with the lock held (``mpidp.comm.progress.test_all`` holds several)."""
         request = self._request
         if request is None:
-            return True
+            return self._ended()
         try:
             if type(request) is list:
                 done = MPI.Request.Testall(request)
@@ -80,41 +103,62 @@ class Operation:
                 done = request.Test(self._status)
         except MPI.Exception as error:
             raise self._failed(error) from error
-        except BaseException:
-            self._release()
+        except BaseException as error:
+            self._end(error)
             raise
         return done and self._settle()
 
     def _wait(self) -> None:
-        """Block in MPI until done (a program thread's request of its own, rule 4); settle."""
-        request = self._request
-        if request is None:
+        """Block in MPI until done (a program thread's request of its own, rule 4); settle.
+        Another thread completing it meanwhile: block until it has settled (rule 9)."""
+        if self._request is None:
+            self._ended()
             return
-        try:
-            if type(request) is list:
-                MPI.Request.Waitall(request)
-            else:
-                request.Wait(self._status)
-        except MPI.Exception as error:
-            raise self._failed(error) from error
-        except BaseException:
-            self._release()
-            raise
-        self._settle()
+        with self._lock:
+            request = self._request
+            if request is None:
+                self._ended()
+                return
+            try:
+                if type(request) is list:
+                    MPI.Request.Waitall(request)
+                else:
+                    request.Wait(self._status)
+            except MPI.Exception as error:
+                raise self._failed(error) from error
+            except BaseException as error:
+                self._end(error)
+                raise
+            self._settle()
+
+    def _ended(self) -> bool:
+        """What a test of a completed operation says: True, or its error raised again."""
+        if self._error is not None:
+            raise self._error
+        return True
 
     def _failed(self, error: MPI.Exception) -> BaseException:
         """The exception an MPI error of this operation raises (mpidp.errors' mapping)."""
-        label = self._label
-        self._release()
-        return _errors.mpi_failure(_watchdog._label_text(label), error)
+        failure = _errors.mpi_failure(_watchdog._label_text(self._label), error)
+        self._end(failure)
+        return failure
 
     def _settle(self) -> bool:
+        """Completed in MPI: end its record, run its finish (once), then release it.
+        Released last, so that a thread that reads it released reads it settled."""
         _recorder.ended(self._ticket)
-        finish = self._finish
+        try:
+            if self._finish is not None:
+                self._finish()
+        except BaseException as error:
+            self._end(error)
+            raise
         self._release()
-        if finish is not None:
-            finish()
         return True
+
+    def _end(self, error: BaseException) -> None:
+        self._error = error  # before the release: whoever sees it released sees the error
+        self._release()
 
     def _release(self) -> None:
         self._request = self._finish = self._tensors = None
@@ -148,18 +192,33 @@ class Staged(Operation):
 
     def _test(self) -> bool:
         if self._request is None:
-            return True
-        while True:
-            if self._part is not None:
-                if not _progress.test(self._part, within=self.burst):
+            return self._ended()
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread tests it: only one starts the next part (rule 9)
+        try:
+            return self._test_held()
+        finally:
+            self._lock.release()
+
+    def _test_held(self) -> bool:
+        if self._request is None:
+            return self._ended()
+        try:
+            while True:
+                if self._part is not None:
+                    if not _progress.test(self._part, within=self.burst):
+                        return False
+                    self._part = None
+                part = self._next_part()
+                if part is None:
+                    return self._settle()
+                if part is self.LATER:
                     return False
-                self._part = None
-            part = self._next_part()
-            if part is None:
-                return self._settle()
-            if part is self.LATER:
-                return False
-            self._part = part
+                self._part = part
+        except BaseException as error:
+            if self._request is not None:
+                self._end(error)  # failed: a later test raises it again, starts nothing
+            raise
 
     def _wait(self) -> None:
         _progress.poll(self._test)

@@ -127,20 +127,34 @@ def test_all(operations, *, within: float = 0.0) -> bool:
     """Whether every one of ``operations`` completed (each then settled).
 
     Tests them back to back for up to ``within`` seconds, in one ``MPI_Testall`` over
-    their requests where each is plain (no status to fill, not staged): all complete or
-    none. False too when that Testall raised: testing each in turn then names which failed.
+    their requests where each is plain (no status to fill, not staged) and no other
+    thread holds one (rule 9: their locks are held from the Testall to their settling):
+    all complete or none. Else, or when that Testall raised, tests each in turn, which
+    then names which failed.
     """
-    requests = []
-    for operation in operations:
-        request = operation._request
-        if request is None:
-            continue
-        if type(request) is list:
-            requests += request
-        elif isinstance(request, MPI.Request) and operation._status is None:
-            requests.append(request)
+    held, requests = [], []
+    try:
+        for operation in operations:
+            request = operation._request
+            if request is None:
+                continue
+            plain = type(request) is list or (isinstance(request, MPI.Request)
+                                              and operation._status is None)
+            if not plain or not operation._lock.acquire(blocking=False):
+                break
+            held.append(operation)
+            request = operation._request  # settled meanwhile by its last holder
+            if request is not None:
+                requests += request if type(request) is list else [request]
         else:
-            return _test_each(operations, within)
+            return _testall_held(operations, held, requests, within)
+    finally:
+        for operation in held:
+            operation._lock.release()
+    return _test_each(operations, within)
+
+
+def _testall_held(operations, held, requests, within: float) -> bool:
     until = time.perf_counter() + within
     try:
         while not MPI.Request.Testall(requests):
@@ -148,8 +162,8 @@ def test_all(operations, *, within: float = 0.0) -> bool:
                 return False
     except MPI.Exception:
         return False
-    for operation in operations:
-        operation._test()  # a completed request tests done at once: settles it (its finish)
+    for operation in operations:  # a completed request tests done at once: settles it
+        operation._test_held() if operation in held else operation._test()
     return True
 
 
@@ -173,6 +187,7 @@ def wait(operation, *, deadline: float | None = None):
         The mapped MPI error (``mpidp.errors``), or what the operation's finish raises.
     """
     if operation._request is None:
+        operation._ended()  # its error, if it failed (rule 9)
         return operation._result
     if _driver_ident is not None and threading.get_ident() == _driver_ident:  # driving()
         poll(operation._test, deadline)

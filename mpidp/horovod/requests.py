@@ -33,7 +33,7 @@ class Request:
     """A started collective: its ``mpidp.comm.Handle``s and what finishes it."""
 
     __slots__ = ("handles", "finish", "keep", "kind", "name", "process_set", "started", "nbytes",
-                 "start", "launched", "round", "description", "error")
+                 "start", "launched", "round", "description", "error", "_lock", "_outcome")
 
     def __init__(self, handles, finish, keep, kind, name, process_set, nbytes, start=None):
         """``start(own)`` starts a negotiated request (``own``: no rank serves it from
@@ -42,6 +42,8 @@ class Request:
         self.kind, self.name, self.process_set, self.nbytes = kind, name, process_set, nbytes
         self.start, self.launched, self.round = start, start is None, 0
         self.description, self.error = None, None
+        self._lock = threading.Lock()  # held by the one thread that completes it (rule 9)
+        self._outcome: tuple | None = None  # (result, error) once completed
         timeline = _state._state.timeline
         self.started = timeline.now() if timeline is not None else None
 
@@ -63,6 +65,22 @@ class Request:
             h.done() if isinstance(h, Request) else _engine.test(h) for h in self.handles)
 
     def wait(self):
+        """Complete it and return ``finish()``'s value. The first thread to ask completes it
+        (the finish runs once); another one blocks until then and gets the same result or
+        error (docs/concurrency.md, rule 9): ``synchronize`` of one handle from two threads,
+        or beside ``hvd.shutdown()``."""
+        with self._lock:
+            if self._outcome is None:
+                try:
+                    self._outcome = (self._complete(), None)
+                except BaseException as error:
+                    self._outcome = (None, error)
+        result, error = self._outcome
+        if error is not None:
+            raise error
+        return result
+
+    def _complete(self):
         if not self.launched:
             _negotiation.wait_named(self)
         if self.error is not None:

@@ -99,9 +99,12 @@ class _Progress:
         return threading.current_thread() is self._thread
 
     def expire(self, work) -> None:
-        """Fail ``work`` with the group's timeout error (its deadline has passed)."""
+        """Fail ``work`` with the group's timeout error (its deadline has passed).
+
+        Not while another thread holds its claim (``Work._claim``): that thread is inside its
+        requests and finish, and fails it at its own deadline (rule 9)."""
         with self._cv:
-            if work._state == "done":
+            if work._state != "pending":
                 return
             self._abandoned.extend(work._fail(work.timeout_error()))
         self._end_job_if_awaited(work)
@@ -214,9 +217,7 @@ class _Progress:
             while queue:
                 work = queue[0]
                 chunks = work._chunks
-                if work._state == "pending" and work._failed_if_spoilt():
-                    pass  # MPI may never end the operations that followed a differing call
-                elif work._state == "pending" and not work._test():
+                if work._state == "pending" and not work._test():  # fails it if spoilt
                     if chunks is not None and chunks.moved:
                         # a chunk started: keep testing without sleeping (a nonblocking
                         # collective moves only inside MPI calls)

@@ -123,6 +123,8 @@ class Work(dist.Work):
 
     def _test(self) -> bool:
         """Advance without blocking; True once done (under progress.lock)."""
+        if self._failed_if_spoilt():  # as _claim does: every path that completes it checks
+            return True
         try:
             if self._chunks is not None:
                 if not _engine.test(self._chunks):
@@ -250,6 +252,7 @@ class Work(dist.Work):
                 self._verify(self._handles.pop(0))
             if self._finish is not None:
                 self._finish()
+            self._record_events()  # as _test does: another thread's wait() may be asleep on it
         except TimeoutError:
             self._unclaim(explicit)
             return
@@ -280,7 +283,8 @@ class Work(dist.Work):
             if explicit:
                 raise TimeoutError(f"Work.wait: {self.describe()} did not complete within the "
                                    f"timeout (it goes on; wait again to finish it)")
-            progress.expire(self)
+            progress.expire(self)  # not while another thread holds its claim (rule 9):
+            deadline = time.monotonic() + 0.05  # look again soon
 
     def is_completed(self) -> bool:
         if self._state == "pending":

@@ -278,6 +278,22 @@ def test_non_contiguous_tensors_give_the_contiguous_results(nonblocking):
 
 
 @needs_two
+def test_a_failed_operation_raises_again_on_every_later_wait_or_test():
+    """An operation keeps its error (docs/concurrency.md, rule 9): a receive of the wrong size
+    raises it at every wait and test; a second wait used to return the tensor as if received."""
+    if RANK == 0:
+        comm.send(torch.ones(5), 1, tag=3)
+    elif RANK == 1:
+        handle = comm.irecv(torch.zeros(6), 0, tag=3)
+        for again in (handle.wait, handle.wait, handle.is_completed,
+                      lambda: comm.progress.test_all([handle])):
+            with pytest.raises(ValueError, match="tensor has 6 elements of torch.float32, "
+                                                 "rank 0 sent 5"):
+                again()
+    comm.barrier()
+
+
+@needs_two
 def test_non_contiguous_send_and_recv():
     right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     incoming = strided(torch.zeros(3, 4))

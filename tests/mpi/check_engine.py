@@ -141,6 +141,41 @@ def test_group_timeout_fails_wait_and_future_with_torch_error():
     MPI.COMM_WORLD.Barrier()
 
 
+
+@pytest.mark.skipif(mpidp.comm.checks._DEBUG, reason="MPIDP_DEBUG checks a call across ranks "
+                    "before it starts, waiting for every rank to make it")
+def test_a_work_one_thread_waits_is_not_expired_under_it_by_another():
+    """Rule 9: a Work that one thread claimed (its wait's own timeout longer than the group's)
+    is not failed under it by a second thread's wait that reached the group's deadline (it was:
+    the first raised 'pop from empty list' when the late peer came); both get the sum."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    group = dist.new_group(list(range(SIZE)), timeout=datetime.timedelta(seconds=0.2))
+    tensor = torch.ones(8)
+    if RANK == 0:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        outcomes = {}
+
+        def wait(name, timeout):
+            try:
+                work.wait(timeout)
+                outcomes[name] = tensor.tolist()
+            except Exception as error:
+                outcomes[name] = f"{type(error).__name__}: {error}"
+
+        claimant = threading.Thread(target=wait, args=("claimant", datetime.timedelta(seconds=60)))
+        claimant.start()
+        while work._state == "pending" and claimant.is_alive():
+            time.sleep(1e-4)
+        wait("second", datetime.timedelta(0))  # until the group's deadline
+        claimant.join()
+        assert outcomes == {"claimant": [float(SIZE)] * 8, "second": [float(SIZE)] * 8}
+    else:
+        time.sleep(0.6)  # past rank 0's group deadline
+        dist.all_reduce(tensor, group=group)
+    MPI.COMM_WORLD.Barrier()
+    dist.destroy_process_group(group)
+
 def test_abort_fails_pending_and_later_operations():
     group = dist.new_group(list(range(SIZE)))
     backend = group  # torch hands out the ProcessGroupMPIDP itself
@@ -272,6 +307,22 @@ def test_a_work_issued_before_a_differing_call_was_known_fails_alike_when_waited
         later.get_future().wait()
 
 
+def test_a_message_pending_when_its_group_is_spoilt_fails_on_the_progress_thread(fresh_group):
+    """A receive pending when a differing call spoils its group fails when the progress thread
+    looks at it, as when a thread claims it in wait() (it stayed pending for good, is_completed()
+    False: only a claim checked the group)."""
+    if SIZE == 1 or mpidp.comm.checks._DEBUG:
+        pytest.skip("needs two ranks, and the call check (MPIDP_DEBUG checks first)")
+    group = fresh_group()
+    message = dist.irecv(torch.empty(2), src=(RANK + 1) % SIZE, group=group, tag=7)  # never sent
+    with _differs(r"element count from \d+ to \d+"):
+        dist.all_reduce(torch.ones(10 + 7 * (RANK % 2)), group=group)
+    until = time.monotonic() + 30
+    while not message.is_completed() and time.monotonic() < until:
+        time.sleep(1e-3)
+    assert "a call differed across ranks after it" in str(message.exception())
+
+
 def test_broadcast_reduce_and_reduce_scatter_calls_that_differ_raise_on_every_rank(fresh_group):
     if SIZE == 1:
         pytest.skip("needs two ranks")
@@ -351,3 +402,101 @@ def test_exchanges_a_callback_issues_are_driven_on_the_progress_thread():
         assert seen["sparse"] == [1.0] * SIZE, seen
         big.fill_(float(RANK))
     dist.destroy_process_group(other)
+
+
+def _in_two_threads(rounds: int, start, first, second) -> list:
+    """Each round, ``start(k)`` on this thread (program order: alike on every rank), then
+    ``first(k, started)`` and ``second(k, started)`` on two threads at once. Returns the
+    problems they found (each returns a list of them)."""
+    problems, started = [], [None]
+    gate = threading.Barrier(3, timeout=60)  # broken, not hung, if a thread stops
+
+    def run(body):
+        for k in range(rounds):
+            gate.wait()
+            try:
+                problems.extend(body(k, started[0]))
+            except Exception as error:
+                problems.append(f"round {k}: {type(error).__name__}: {error}")
+            gate.wait()
+
+    threads = [threading.Thread(target=run, args=(body,)) for body in (first, second)]
+    for thread in threads:
+        thread.start()
+    for k in range(rounds):
+        started[0] = start(k)
+        gate.wait()  # both go
+        gate.wait()  # both done
+    for thread in threads:
+        thread.join()
+    return problems
+
+
+def test_two_threads_complete_one_operation_once():
+    """Rule 9: two threads test and wait the same engine operations at once (wait and wait,
+    wait and is_completed, test_all and wait_all): each finish runs once, and a thread that
+    finds an operation done finds it settled (its finish, a copy back that takes a while, has
+    run) with the sum in it."""
+    if mpidp.runtime.thread_level() < MPI.THREAD_MULTIPLE:
+        pytest.skip("two threads in MPI need MPI_THREAD_MULTIPLE")
+    engine = mpidp.comm.progress
+    finished = {}
+    total = float(SIZE * (SIZE + 1) // 2)
+
+    def counted(handle, key):
+        def finish():
+            time.sleep(2e-4)  # a copy back that takes a while: what another thread could miss
+            finished[key] = finished.get(key, 0) + 1
+        handle._finish = finish
+        return handle
+
+    def start(k):
+        tensors = [torch.full((5,), float(RANK + 1)) for _ in range(2)]
+        return [counted(mpidp.comm.iallreduce(t, "sum"), (k, i)) for i, t in enumerate(tensors)]
+
+    def settled(k, handles, order=(0, 1)) -> list:
+        return [f"round {k}, operation {i}: finish ran {finished.get((k, i), 0)} times, "
+                f"result {handles[i]._result.tolist()}" for i in order
+                if finished.get((k, i)) != 1 or not torch.all(handles[i]._result == total)]
+
+    def first(k, handles):
+        if k % 3 == 2:
+            while not engine.test_all(handles):
+                pass
+        else:
+            engine.wait_all(handles)
+        return settled(k, handles)
+
+    def second(k, handles):
+        if k % 3 == 0:
+            engine.wait_all(handles[::-1])
+        elif k % 3 == 1:
+            while not (handles[0].is_completed() and handles[1].is_completed()):
+                pass
+        else:
+            handles[1].wait()
+            return settled(k, handles, (1,))
+        return settled(k, handles)
+
+    assert _in_two_threads(30, start, first, second) == []
+
+
+def test_a_work_waited_from_two_threads_completes_once():
+    """Rule 9 for the backend's Works: two threads wait one Work (AVG: its finish divides, so
+    a second run of it would show) while the progress thread tests it; a failed Work raises
+    the same error on both."""
+    if mpidp.runtime.thread_level() < MPI.THREAD_MULTIPLE:
+        pytest.skip("two threads in MPI need MPI_THREAD_MULTIPLE")
+    mean = float(SIZE + 1) / 2
+
+    def start(k):
+        tensor = torch.full((6,), float(RANK + 1))
+        return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+
+    def wait(k, started):
+        tensor, work = started
+        work.wait()
+        return [] if torch.all(tensor == mean) and work.is_success() else [
+            f"round {k}: {tensor.tolist()}, expected {mean}"]
+
+    assert _in_two_threads(30, start, wait, wait) == []

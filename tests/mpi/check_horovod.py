@@ -7,6 +7,7 @@ computed from the rank and the size; every misuse must raise on every rank.
 import importlib.util
 import math
 import json
+import threading
 import warnings
 from pathlib import Path
 
@@ -93,6 +94,38 @@ def test_allreduce_forms_average_and_handles():
     assert hvd.synchronize(handle_) is mine and torch.equal(mine, sum(values))
     integers = torch.tensor([hvd.rank(), 7])
     assert hvd.allreduce(integers, op=hvd.Sum).tolist() == [sum(range(hvd.size())), 7 * hvd.size()]
+
+
+def test_a_handle_synchronized_from_two_threads_completes_once():
+    """docs/concurrency.md, rule 9: two threads synchronize one handle (or one polls it) at
+    once. The average is divided once (a second finish would divide it again); a thread that
+    comes after the other forgot the handle gets Horovod's clear error."""
+    if mpidp.runtime.thread_level() < MPI.THREAD_MULTIPLE:
+        pytest.skip("two threads in MPI need MPI_THREAD_MULTIPLE")
+    values = rank_values((4,))
+    for k in range(20):
+        mine = values[hvd.rank()].clone()
+        handle = hvd.allreduce_async_(mine, op=hvd.Average, name=f"twice.{k}")
+        gate, outcomes = threading.Barrier(2, timeout=60), []
+
+        def synchronize(poll_first: bool):
+            gate.wait()
+            try:
+                while poll_first and not hvd.poll(handle):
+                    pass
+                outcomes.append(hvd.synchronize(handle))
+            except ValueError as error:
+                outcomes.append(str(error))
+
+        threads = [threading.Thread(target=synchronize, args=(k % 2 and n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        torch.testing.assert_close(mine, sum(values) / hvd.size())
+        assert any(outcome is mine for outcome in outcomes), outcomes
+        assert all(outcome is mine or "is not a pending operation" in outcome
+                   for outcome in outcomes), outcomes
 
 
 def test_allreduce_is_differentiable():
