@@ -26,7 +26,7 @@ LAYERS = [
     ("ddp", ["ddp", "ddp.*", "hooks", "hooks.*"]),
     ("backend", ["process_group", "process_group.*"]),
     ("zero and horovod", ["zero", "zero.*", "horovod", "horovod.*", "checkpoint", "checkpoint_format",
-                          "healing"]),
+                          "healing", "healing.*"]),
     ("package", ["", "__main__", "doctor", "doctor.*", "profiler", "frtrace"]),
 ]
 MOST_LINES = 500  # soft: over it, a warning, not a failure

@@ -243,8 +243,8 @@ GATHERS_DATA = {
     "mpidp/doctor/__init__.py:run": "the doctor's context: rank 0's launcher",
     "mpidp/doctor/checks.py:_gather": "the doctor's facts: each check's pure judge_* reads them "
                                       "on every rank alike (the module's docstring)",
-    "mpidp/healing.py:_take_zero_state": "the ZeRO shards' pieces, which every survivor regroups",
-    "mpidp/healing.py:_take_fsdp_state": "the FSDP2 shards' pieces, which make the whole state",
+    "mpidp/healing/fsdp.py:take": "the FSDP2 shards' pieces, which make the whole state",
+    "mpidp/healing/zero.py:take": "the ZeRO shards' pieces, which every survivor regroups",
     "mpidp/rendezvous.py:_node_rank": "the nodes' first ranks: this rank's node's index",
     "mpidp/rendezvous.py:_choose": "the nodes' addresses to rank 0, which chooses and broadcasts",
     "mpidp/topology.py:gather": "every rank's layout, for tables and rank 0's warnings",

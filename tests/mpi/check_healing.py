@@ -344,7 +344,7 @@ def test_fsdp2_over_the_default_group_keeps_partner_copies_and_bad_input_is_refu
 
         optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
         heal, checkpointer = healer(model, optimizer, rebuild=make)
-        assert heal.active and heal._fsdp is not None
+        assert heal.active and heal._copies.fsdp is not None
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(RANK), dtype=torch.float64)
         for _ in range(3):  # the third step's start: Adam has state, the last copy is of it
             with heal.guard():
@@ -353,7 +353,7 @@ def test_fsdp2_over_the_default_group_keeps_partner_copies_and_bad_input_is_refu
                 optimizer.step()
         with heal.guard():  # copies the state after the third step
             pass
-        copy = heal._copies[-1]["fsdp"]
+        copy = heal._copies.kept[-1]["fsdp"]
         mines = mpidp.allgather_object(copy["mine"])
         assert torch.equal(copy["theirs"], mines[(RANK - 1) % SIZE])
         whole_model, whole_optimizer = fsdp.whole_state(copy, dict(enumerate(mines)))
