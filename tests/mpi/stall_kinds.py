@@ -4,8 +4,9 @@
 
 For each kind in ``KINDS``, every rank first makes what the collective needs
 (a DDP, a group, a ZeRO optimizer...) and meets the others in a barrier; then the
-last rank sleeps in user code for ``MPIDP_TIMEOUT + 1.25`` seconds before it
-issues the collective, while the others wait in it. Under
+last rank waits in user code until rank 0 has written its stall summary (the
+flight recorder's ``summary.txt``), at most ``MPIDP_TIMEOUT + 30`` seconds, before
+it issues the collective, while the others wait in it. Under
 ``MPIDP_TIMEOUT_ACTION=report`` rank 0 prints a stall summary naming what they
 wait in, the late rank arrives, and the next kind begins: one launch checks them
 all. Each kind is announced on stdout as ``kind NAME starts`` (rank 0).
@@ -24,8 +25,22 @@ import mpidp
 import mpidp.horovod as hvd
 
 RANK, SIZE = mpidp.rank(), mpidp.size()
-# rank 0 summarises within about two watchdog periods (MPIDP_TIMEOUT / 4) of the timeout
-LATE = float(os.environ.get("MPIDP_TIMEOUT", "1")) + 1.25
+# rank 0 summarises within about two watchdog periods (MPIDP_TIMEOUT / 4) of the timeout; a
+# fixed sleep past it cost 8 x 1.25 s, and a loaded machine may take longer than that anyway
+LATEST = float(os.environ.get("MPIDP_TIMEOUT", "1")) + 30
+SUMMARY = os.path.join(mpidp.recorder.directory(), "summary.txt")
+
+
+def _late() -> None:
+    """The late rank, in user code: until rank 0's summary of this stall, which shows this
+    rank's stack down to this function, is written."""
+    deadline = time.monotonic() + LATEST
+    while time.monotonic() < deadline:
+        if os.path.exists(SUMMARY):
+            with open(SUMMARY) as summary:
+                if f" in {_late.__name__}\n" in summary.read():
+                    return
+        time.sleep(0.05)
 
 
 def _model(shared_memory: bool) -> mpidp.DistributedDataParallel:
@@ -96,11 +111,13 @@ def main() -> None:
             continue
         steps = kind()
         next(steps)  # what every rank makes before the collective
+        if RANK == SIZE - 1 and os.path.exists(SUMMARY):
+            os.remove(SUMMARY)  # the last kind's, read: its collective is done
         MPI.COMM_WORLD.Barrier()
         if RANK == 0:
             print(f"kind {kind.__name__} starts", flush=True)
         if RANK == SIZE - 1:
-            time.sleep(LATE)  # the late rank, in user code
+            _late()
         for _ in steps:  # the collective itself
             pass
         MPI.COMM_WORLD.Barrier()
