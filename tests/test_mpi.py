@@ -761,16 +761,6 @@ def test_zero_sharded_checkpoint_reshards(reshards, saved, loaded, stage):
     assert "max relative difference from one process training 20 steps = " in out, out
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
-def test_info_report(nprocs):
-    out = launch.run(nprocs, ["-m", "mpidp", "info"], timeout=120).stdout
-    lines = out.splitlines()
-    assert lines[0].split() == ["rank", "host", "local_rank", "numa", "cores", "torch_threads", "gpu"]
-    assert [line.split()[0] for line in lines[1:1 + nprocs]] == [str(r) for r in range(nprocs)]
-    assert "MPI library:" in out and "thread level multiple" in out and "CUDA-aware:" in out
-    assert "binding:" in out or "warning:" in out
-
-
 def test_lab_examples(two_rank_examples):
     """The six lab scripts, in the launch of the 2-rank examples (rank 1's lines too)."""
     out = two_rank_examples[0]

@@ -230,3 +230,19 @@ def test_debug_mode_reports_mismatched_sizes_on_every_rank(monkeypatch):
                                          r"allreduce\(op='sum', dtype=float32, numel=3\); rank"):
         comm.allreduce(torch.ones(3 + min(RANK, 1)))
     comm.allreduce(torch.ones(3))  # matched calls still work in debug mode
+
+
+def test_info_report(capsys):
+    """``python -m mpidp info`` (its main, here in the launch): rank 0 prints every rank's
+    layout, the MPI library and thread level, CUDA-awareness and the binding's findings."""
+    from mpidp.__main__ import main
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    if RANK != 0:
+        assert out == "", out
+        return
+    lines = out.splitlines()
+    assert lines[0].split() == ["rank", "host", "local_rank", "numa", "cores", "torch_threads", "gpu"]
+    assert [line.split()[0] for line in lines[1:1 + SIZE]] == [str(r) for r in range(SIZE)]
+    assert "MPI library:" in out and "thread level multiple" in out and "CUDA-aware:" in out
+    assert "binding:" in out or "warning:" in out
