@@ -205,16 +205,26 @@ def _at_first_size(output: str) -> dict[str, str]:
     return _strings(output[:shrunk])
 
 
-def _uninterrupted(directory: Path, extra: list[str]) -> dict[str, str]:
-    """heal_train.py's strings at 4 ranks with nothing lost (steps 1-16: a spare's run is at 4
-    ranks until its second loss, at step 14 here)."""
-    result = _ulfm(4, directory, extra=[*extra, "--steps", "16"])
+FRAMEWORKS = ("--torch-ddp", "--horovod")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_frameworks(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """heal_train.py --syncbn's strings at 4 ranks with nothing lost, over torch's DDP and
+    Horovod, both runs in one launch (tests/mpi/run_scripts.py): {flag: {step: string}} (steps
+    1-16: a spare's run is at 4 ranks until its second loss, at step 14 here)."""
+    directory = tmp_path_factory.mktemp("uninterrupted-frameworks")
+    runs = [f"{SCRIPT} --checkpoint-dir {directory / flag[2:]} {flag} --syncbn --steps 16"
+            for flag in FRAMEWORKS]
+    result = _ulfm_run(_openmpi_python(), 4, ["tests/mpi/run_scripts.py", *runs], 240)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    return _strings(result.stdout)
+    outputs = result.stdout.split("\ndone at 4 ranks")  # each run's last line
+    assert len(outputs) == len(FRAMEWORKS) + 1, result.stdout[-3000:]
+    return {flag: _strings(output) for flag, output in zip(FRAMEWORKS, outputs)}
 
 
 def test_torch_ddp_groups_and_syncbatchnorm_follow_a_spare_then_heals_and_a_sigterm_resumes(
-        tmp_path, reference_with_batchnorm):
+        tmp_path, reference_with_batchnorm, uninterrupted_frameworks):
     """torch's DistributedDataParallel over "mpidp" (mpidp/process_group/healing.py) with an
     mpidp.SyncBatchNorm, launched at 4+1 ranks (--spares 1): rank 3 dies inside a bucket's
     allreduce (torch's reducer reads its futures in C++, which crashes on a failed one) and
@@ -237,7 +247,7 @@ def test_torch_ddp_groups_and_syncbatchnorm_follow_a_spare_then_heals_and_a_sigt
     _check_losses(whole.stdout, reference_with_batchnorm)
     at_four = _at_first_size(whole.stdout)
     assert sorted(map(int, at_four)) == list(range(1, 14)), whole.stdout[-3000:]
-    expected = _uninterrupted(tmp_path / "c", extra)
+    expected = uninterrupted_frameworks["--torch-ddp"]
     assert at_four == {step: expected[step] for step in at_four}
     stopped = _ulfm(5, tmp_path / "b", extra=[*spared, "--sigterm", "2:18"], env=kills)
     output = stopped.stdout + stopped.stderr
@@ -251,7 +261,8 @@ def test_torch_ddp_groups_and_syncbatchnorm_follow_a_spare_then_heals_and_a_sigt
     assert {**first, **then} == _strings(whole.stdout)
 
 
-def test_horovod_and_syncbatchnorm_follow_a_spare_then_heals(tmp_path, reference_with_batchnorm):
+def test_horovod_and_syncbatchnorm_follow_a_spare_then_heals(tmp_path, reference_with_batchnorm,
+                                                             uninterrupted_frameworks):
     """mpidp.horovod (mpidp/horovod/healing.py) at 4+1 ranks (--spares 1): a module with an
     mpidp.SyncBatchNorm, stepped by hvd.DistributedOptimizer, loses rank 3 in its forward of
     step 5 and the spare takes its place, in the process set of the odd ranks too (registered
@@ -272,7 +283,7 @@ def test_horovod_and_syncbatchnorm_follow_a_spare_then_heals(tmp_path, reference
     assert "done at 1 ranks" in result.stdout, output[-3000:]
     _check_losses(result.stdout, reference_with_batchnorm)
     at_four = _at_first_size(result.stdout)
-    expected = _uninterrupted(tmp_path / "c", extra)
+    expected = uninterrupted_frameworks["--horovod"]
     assert len(at_four) >= 5 and at_four == {step: expected[step] for step in at_four}
 
 

@@ -146,7 +146,9 @@ def main() -> None:
                         help="torch's DistributedDataParallel over the \"mpidp\" backend (its "
                              "default group is made again over the survivors by a heal)")
     args = parser.parse_args()
-    trains = mpidp.stand_by(spares=args.spares)
+    # without spares no stand_by, which a second run in one launch (tests/mpi/run_scripts.py)
+    # would call after the first run's communicators over the world
+    trains = mpidp.stand_by(spares=args.spares) if args.spares else True
     odd_ranks = list(range(1, mpidp.spares.trainers() or mpidp.size(), 2))
     kills = {}
     for kill in args.kill:
