@@ -715,6 +715,25 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank_before_anything_collect
 LATE_S = 0.2  # how long the last rank sleeps before each backward of the late phase
 
 
+@pytest.mark.skipif(SIZE not in (2, 3), reason="the 2- and 3-rank launches check it")
+def test_watchdog_stays_quiet_while_training_goes_well(capfd):
+    """stall.py's training at a 1 s watchdog timeout: no rank reports a stall (3 ranks inline,
+    2 ranks under the thread and nonblocking strategies). The action is "report": a report
+    fails the assertion below with its text, where an abort would lose it in capfd's file."""
+    import stall
+    overlaps = ["inline"] if SIZE == 3 else ["thread", "nonblocking"]
+    _, action = mpidp.watchdog.get_timeout()
+    mpidp.watchdog.set_timeout(1, action="report")
+    try:
+        for overlap in overlaps:
+            stall.train(40, overlap)
+    finally:
+        mpidp.watchdog.set_timeout(None, action=action)
+    out, err = capfd.readouterr()
+    assert "] stall" not in err, err
+    assert out.count(f"rank {RANK} trained 40 steps") == len(overlaps), out
+
+
 @multi_rank
 def test_a_rank_late_at_every_step_is_named_once_with_its_lateness(monkeypatch, caplog):
     """Quiet steps name nobody; a rank 200 ms late before each backward is named, once,

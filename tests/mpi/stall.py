@@ -159,4 +159,5 @@ def main() -> None:
     other.Free()
 
 
-main()
+if __name__ == "__main__":  # check_ddp_edges.py imports train()
+    main()
