@@ -133,38 +133,40 @@ def test_all(operations, *, within: float = 0.0) -> bool:
     then names which failed.
     """
     held, requests = [], []
-    try:
-        for operation in operations:
-            request = operation._request
-            if request is None:
-                continue
-            plain = type(request) is list or (isinstance(request, MPI.Request)
-                                              and operation._status is None)
-            if not plain or not operation._lock.acquire(blocking=False):
-                break
-            held.append(operation)
-            request = operation._request  # settled meanwhile by its last holder
-            if request is not None:
-                requests += request if type(request) is list else [request]
-        else:
-            return _testall_held(operations, held, requests, within)
-    finally:
-        for operation in held:
+    for operation in operations:
+        request = operation._request
+        if request is None:
+            continue
+        plain = type(request) is list or (isinstance(request, MPI.Request)
+                                          and operation._status is None)
+        if not plain or not operation._lock.acquire(blocking=False):
+            _release(held)
+            return _test_each(operations, within)
+        if operation._request is None:  # settled meanwhile by its last holder
             operation._lock.release()
-    return _test_each(operations, within)
-
-
-def _testall_held(operations, held, requests, within: float) -> bool:
+            continue
+        held.append(operation)
+        requests += request if type(request) is list else [request]
     until = time.perf_counter() + within
     try:
         while not MPI.Request.Testall(requests):
             if time.perf_counter() > until:
                 return False
+        for operation in held:  # completed in MPI: settle each (its finish)
+            operation._settle()
     except MPI.Exception:
         return False
-    for operation in operations:  # a completed request tests done at once: settles it
-        operation._test_held() if operation in held else operation._test()
+    finally:
+        _release(held)
+    for operation in operations:
+        if operation._error is not None:  # failed before this test
+            raise operation._error
     return True
+
+
+def _release(held) -> None:
+    for operation in held:
+        operation._lock.release()
 
 
 def _test_each(operations, within: float) -> bool:
