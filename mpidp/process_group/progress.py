@@ -155,8 +155,7 @@ class _Progress:
             if work._state == "done":
                 break
             if deadline is not None and time.monotonic() > deadline:
-                self.expire(work)
-                break
+                self.expire(work)  # not while a program thread holds its claim: it ends it
             backoff.pause()
         work._complete_future()
 

@@ -147,7 +147,8 @@ def test_group_timeout_fails_wait_and_future_with_torch_error():
 def test_a_work_one_thread_waits_is_not_expired_under_it_by_another():
     """Rule 9: a Work that one thread claimed (its wait's own timeout longer than the group's)
     is not failed under it by a second thread's wait that reached the group's deadline (it was:
-    the first raised 'pop from empty list' when the late peer came); both get the sum."""
+    the first raised 'pop from empty list' when the late peer came), nor by a future's callback
+    that waits on it on the progress thread; all three get the sum."""
     if SIZE == 1:
         pytest.skip("needs two ranks")
     group = dist.new_group(list(range(SIZE)), timeout=datetime.timedelta(seconds=0.2))
@@ -167,11 +168,17 @@ def test_a_work_one_thread_waits_is_not_expired_under_it_by_another():
         claimant.start()
         while work._state == "pending" and claimant.is_alive():
             time.sleep(1e-4)
+        # the peers' match comes later: the callback runs on the progress thread
+        chained = dist.all_reduce(torch.ones(1), async_op=True).get_future().then(
+            lambda future: wait("callback", datetime.timedelta(0)))
         wait("second", datetime.timedelta(0))  # until the group's deadline
         claimant.join()
-        assert outcomes == {"claimant": [float(SIZE)] * 8, "second": [float(SIZE)] * 8}
+        chained.wait()
+        assert outcomes == {name: [float(SIZE)] * 8 for name in ("claimant", "second", "callback")}
     else:
-        time.sleep(0.6)  # past rank 0's group deadline
+        time.sleep(0.1)
+        dist.all_reduce(torch.ones(1))  # ends rank 0's chained all_reduce
+        time.sleep(0.5)  # past rank 0's group deadline
         dist.all_reduce(tensor, group=group)
     MPI.COMM_WORLD.Barrier()
     dist.destroy_process_group(group)
