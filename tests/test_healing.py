@@ -159,8 +159,10 @@ def test_a_gather_across_a_dying_rank_raises_and_never_returns_other_data():
     tensors must either be whole or raise RankLostError on every survivor."""
     python = _openmpi_python()
     draw, wrong = random.Random(28), []
-    for launch in range(6):
-        victim, call, delay = launch % 4, draw.randrange(300, 600), draw.uniform(0.0, 0.004)
+    for launch in range(6):  # 6, not 4: about every other launch caught the unfixed code
+        # the kill in its 30th-60th gather, past the first rounds: at 4 ranks on 2 cores a
+        # longer loop costs more than the launch's start
+        victim, call, delay = launch % 4, draw.randrange(30, 60), draw.uniform(0.0, 0.004)
         result = _ulfm_run(python, 4, ["tests/mpi/ulfm_gathers.py", str(victim), str(call),
                                        str(delay)], timeout=120)
         lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
