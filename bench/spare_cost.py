@@ -72,11 +72,14 @@ def _usage(pid: int) -> tuple[float, dict]:
         fields = f.read().rpartition(")")[2].split()
     threads = {}
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/status") as f:
-            switches = {key: int(value) for key, value in
-                        (line.split(":") for line in f if "ctxt_switches" in line)}
-        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            delay = int(f.read().split()[1]) / 1e9
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                switches = {key: int(value) for key, value in
+                            (line.split(":") for line in f if "ctxt_switches" in line)}
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                delay = int(f.read().split()[1]) / 1e9
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended while read
+            continue
         threads[task] = (switches["voluntary_ctxt_switches"],
                          switches["nonvoluntary_ctxt_switches"], delay)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), threads
@@ -92,7 +95,7 @@ def _launch(mpi: str, trainers: int, spares: int, sleepers: int, args) -> dict:
     """One launch: its time per step past the warm-up, and each process's use over that window."""
     watched: dict[str, int] = {}  # "rank R" / "sleeper S" -> pid, found at the first step's line
     used: list[dict] = []  # {name: usage} at the window's two ends
-    ends = (args.warmup, args.steps)
+    ends = (args.warmup, args.steps - 1)  # the last step's line: the ranks may be ending
 
     def read(process, lines) -> list:
         step = LINE.match(lines[-1][1])
